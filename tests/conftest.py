@@ -1,0 +1,17 @@
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on the CPU through the interpreter; must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpu = torch.cuda.device_count()
+    for item in items:
+        if "gpu" in item.keywords and n_gpu < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA-alike accelerator"))
+        if "multi_gpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two accelerators"))
