@@ -1,0 +1,117 @@
+"""Tiny random Qwen4Exp checkpoints for tests and the demo.
+
+`python -m qwen4_exp_hcu.tiny DST [--int8] [--config configs/tiny.json] [--seed 0]` writes a text-only
+`Qwen4ExpForCausalLM` with transformers' own `save_pretrained` (so the layout is exactly what transformers
+writes: sharded PLE tables, per-expert MoE weights) plus an offline word-level tokenizer. Weights are drawn
+with a fixed seed at a scale where greedy decoding is not degenerate (distinct prompts → distinct tokens);
+the PLE conv is made non-zero (transformers initialises it to zero) so its state is exercised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+
+
+def load_config(config_path: str | Path = DEFAULT_CONFIG, **overrides):
+    """`Qwen4ExpTextConfig` from a JSON file, with keyword overrides (e.g. `ple_layer_ids=[]`)."""
+    from transformers import Qwen4ExpTextConfig
+
+    values = json.loads(Path(config_path).read_text())
+    values.update(overrides)
+    values.pop("model_type", None)
+    return Qwen4ExpTextConfig(**values)
+
+
+def build_tokenizer(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int):
+    """A word-level tokenizer: specials, then `t{i}` for every other id; made in code, no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {pad_token_id: "<pad>", eos_token_id: "<eos>", bos_token_id: "<bos>"}
+    vocab = {specials.get(i, f"t{i}"): i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<eos>",
+        bos_token="<bos>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every weight so activations stay O(1) through the tiny network.
+
+    Matrices get std 1/sqrt(fan_in); embeddings (token and PLE n-gram) std 1; norm weights a small
+    perturbation around their neutral value; GDN `A_log`/`dt_bias` and PLE hash buffers are kept.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            continue
+        if "norm" in name:
+            noise = torch.randn(param.shape, generator=gen) * 0.1
+            param.copy_(param.float() + noise)
+        elif "embed" in name:
+            param.copy_(torch.randn(param.shape, generator=gen))
+        elif name.endswith("conv1d.weight"):
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        else:
+            fan_in = param.shape[-1]
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def make_tiny_checkpoint(
+    dst: str | Path,
+    config_path: str | Path = DEFAULT_CONFIG,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    **overrides,
+) -> Path:
+    """Write a random tiny checkpoint (config, safetensors, tokenizer) to `dst` and return it."""
+    from transformers import Qwen4ExpForCausalLM
+
+    config = load_config(config_path, **overrides)
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config)
+    randomize_(model, seed)
+    model = model.to(dtype)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    tokenizer = build_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
+    tokenizer.save_pretrained(dst)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dst", help="output directory (the INT8 checkpoint when --int8 is given)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="JSON with Qwen4ExpTextConfig fields")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int8", action="store_true", help="quantize the PLE tables (writes DST-bf16 first)")
+    args = parser.parse_args(argv)
+
+    if not args.int8:
+        print(make_tiny_checkpoint(args.dst, args.config, args.seed))
+        return
+    from qwen4_exp_hcu.quantize import quantize_checkpoint
+
+    bf16 = make_tiny_checkpoint(f"{args.dst.rstrip('/')}-bf16", args.config, args.seed)
+    quantize_checkpoint(bf16, args.dst)
+    print(args.dst)
+
+
+if __name__ == "__main__":
+    main()
