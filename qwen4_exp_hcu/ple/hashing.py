@@ -1,0 +1,194 @@
+"""N-gram hash of Qwen4Exp PLE: token ids -> one table row id per head.
+
+Token t of a request sees its previous ``ngram_size - 1`` tokens; the first ones come from the
+request's n-gram context (the tail of what it sent before, EOS for a new request). A shift that
+crosses an EOS yields EOS, so n-grams never span two documents. For order n (2..N) the mixed key is
+``XOR_{k<n} shift_k * mult[k]`` (int64 wrap-around) and head h's row is ``offset[h] + key mod size[h]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_LAYER_STRIDE = 10007
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+@lru_cache(maxsize=None)
+def _primes_after(start: int, count: int) -> tuple[int, ...]:
+    """The first `count` primes greater than `start` (cached: every PLE layer asks for a prefix)."""
+    primes, n = [], start
+    while len(primes) < count:
+        n += 1
+        if _is_prime(n):
+            primes.append(n)
+    return tuple(primes)
+
+
+def eos_id(text_config) -> int:
+    eos = text_config.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ValueError("config.eos_token_id must be set: the PLE n-gram hash pads with EOS.")
+    return int(eos)
+
+
+def validate_ple_config(text_config) -> None:
+    """Reject PLE settings the layer cannot serve, naming the offending setting."""
+    ids = list(text_config.ple_layer_ids or [])
+    if not ids:
+        return
+    heads = (text_config.ngram_size - 1) * text_config.heads_per_ngram
+    if text_config.ngram_size < 2 or text_config.heads_per_ngram < 1:
+        raise ValueError(
+            f"ngram_size must be >= 2 and heads_per_ngram >= 1, got {text_config.ngram_size}, "
+            f"{text_config.heads_per_ngram}."
+        )
+    embed_dim = text_config.ple_embed_dim or text_config.hidden_size
+    if embed_dim % heads:
+        raise ValueError(
+            f"ple_embed_dim={embed_dim} is not divisible by the number of n-gram heads "
+            f"(ngram_size-1)*heads_per_ngram={heads}."
+        )
+    n_layers = text_config.num_hidden_layers
+    bad = [i for i in ids if not 1 <= i <= n_layers]
+    if bad:
+        raise ValueError(f"ple_layer_ids are 1-indexed decoder layers in [1, {n_layers}], got {bad}.")
+    not_linear = [i for i in ids if text_config.layer_types[i - 1] != "linear_attention"]
+    if not_linear:
+        raise ValueError(f"ple_layer_ids {not_linear} are not linear_attention layers; PLE needs one.")
+    eos_id(text_config)
+
+
+@dataclass(frozen=True)
+class NgramHashSpec:
+    """Everything the hash of one PLE layer needs; derived from the config alone."""
+
+    ngram_size: int
+    heads_per_ngram: int
+    eos_token_id: int
+    head_dim: int
+    multipliers: tuple[int, ...]  # [ngram_size]
+    head_sizes: tuple[int, ...]  # [H] primes
+    head_offsets: tuple[int, ...]  # [H]
+    rows: int  # table rows, padded
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.head_sizes)
+
+    @property
+    def context_len(self) -> int:
+        return self.ngram_size - 1
+
+    @classmethod
+    def from_config(cls, text_config, ple_layer_index: int) -> NgramHashSpec:
+        validate_ple_config(text_config)
+        n_ple = len(text_config.ple_layer_ids or [])
+        if not 0 <= ple_layer_index < n_ple:
+            raise ValueError(f"ple_layer_index={ple_layer_index} outside [0, {n_ple}) (ple_layer_ids).")
+        n, per = text_config.ngram_size, text_config.heads_per_ngram
+        heads = (n - 1) * per
+        primes = _primes_after(text_config.ngram_vocab_size_base - 1, (ple_layer_index + 1) * heads)
+        sizes = primes[ple_layer_index * heads :]
+        offsets = tuple(sum(sizes[:h]) for h in range(heads))
+        div = text_config.make_ngram_vocab_size_divisible_by
+        rows = -(-sum(sizes) // div) * div
+
+        half = max(1, ((1 << 63) - 1) // max(text_config.vocab_size, 1) // 2)
+        base = text_config.seed + _LAYER_STRIDE * ple_layer_index
+        mults = tuple(2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(n))
+        embed_dim = text_config.ple_embed_dim or text_config.hidden_size
+        return cls(n, per, eos_id(text_config), embed_dim // heads, mults, sizes, offsets, rows)
+
+    def check_buffers(self, layer_multipliers, ngram_heads_vocab_sizes, ngram_heads_offsets, where: str = "") -> None:
+        """Compare the checkpoint's stored hash buffers with what the config implies."""
+        for name, stored, expected in (
+            ("layer_multipliers", layer_multipliers, self.multipliers),
+            ("ngram_heads_vocab_sizes", ngram_heads_vocab_sizes, self.head_sizes),
+            ("ngram_heads_offsets", ngram_heads_offsets, self.head_offsets),
+        ):
+            got = tuple(int(v) for v in torch.as_tensor(stored).flatten().tolist())
+            if got != expected:
+                raise ValueError(
+                    f"checkpoint buffer {where}{name} = {list(got)[:8]} disagrees with the config "
+                    f"(expected {list(expected)[:8]}): ngram/seed/vocab settings do not match the checkpoint."
+                )
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(multipliers [N], head sizes [H], head offsets [H]) as int64 tensors on `device`."""
+        return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (self.multipliers, self.head_sizes, self.head_offsets))
+
+
+def _shifted_tokens(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> list[torch.Tensor]:
+    """shift_k(t) for k = 0..N-1 with the EOS rule, each int64 [T]."""
+    T = input_ids.shape[0]
+    ids = input_ids.long()
+    qsl = query_start_loc.long()
+    pos = torch.arange(T, device=ids.device)
+    req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(ngram_context.shape[0] - 1)
+    i = pos - qsl[req]
+    ctx = ngram_context.long()
+    shifted, blocked = [ids], torch.zeros(T, dtype=torch.bool, device=ids.device)
+    for k in range(1, spec.ngram_size):
+        j = i - k
+        from_chunk = ids[(pos - k).clamp_min(0)]
+        from_ctx = ctx[req, (spec.context_len + j).clamp(0, spec.context_len - 1)]
+        tok = torch.where(j >= 0, from_chunk, from_ctx)
+        blocked = blocked | (tok == spec.eos_token_id)
+        shifted.append(torch.where(blocked, spec.eos_token_id, tok))
+    return shifted
+
+
+def ngram_ids_reference(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
+    """Torch reference: int64 [T, H] row ids for a packed batch (request r = tokens qsl[r]:qsl[r+1])."""
+    mult, sizes, offsets = spec.tensors(input_ids.device)
+    shifted = _shifted_tokens(spec, input_ids, query_start_loc, ngram_context)
+    mixed, blocks = shifted[0] * mult[0], []
+    for n in range(2, spec.ngram_size + 1):
+        mixed = mixed ^ (shifted[n - 1] * mult[n - 1])
+        h = slice((n - 2) * spec.heads_per_ngram, (n - 1) * spec.heads_per_ngram)
+        blocks.append(torch.remainder(mixed[:, None], sizes[h]) + offsets[h])
+    return torch.cat(blocks, dim=1)
+
+
+def ngram_ids(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context, out=None) -> torch.Tensor:
+    """Row ids [T, H] int64; Triton on accelerators, the torch reference on CPU. No host syncs."""
+    if input_ids.device.type == "cpu":
+        ids = ngram_ids_reference(spec, input_ids, query_start_loc, ngram_context)
+        return ids if out is None else out.copy_(ids)
+    from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
+
+    return ngram_hash(spec, input_ids, query_start_loc, ngram_context, out=out)
+
+
+def next_ngram_context(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
+    """Each request's context after this chunk: the last N-1 tokens of (context ++ chunk), [B, N-1]."""
+    if input_ids.numel() == 0:
+        return ngram_context.long().clone()
+    qsl = query_start_loc.long()
+    ends = qsl[1:]
+    k = torch.arange(spec.context_len, device=input_ids.device) - spec.context_len  # -(N-1) .. -1
+    j = (ends - qsl[:-1])[:, None] + k[None, :]  # position in the chunk; negative = old context
+    from_chunk = input_ids.long()[(ends[:, None] + k[None, :]).clamp(0, input_ids.shape[0] - 1)]
+    from_ctx = ngram_context.long().gather(1, (spec.context_len + j).clamp(0, spec.context_len - 1))
+    return torch.where(j >= 0, from_chunk, from_ctx)

@@ -1,0 +1,133 @@
+"""N-gram hash: parity with transformers, Triton kernel vs torch reference, chunking, bad config."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+from ple_configs import EOS, tiny_text_config
+from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, next_ngram_context, ngram_ids_reference
+
+
+def hf_ids(cfg, ple_index, prompts):
+    """transformers' ids for each prompt run alone: table row r holds r in column 0 of every head."""
+    emb = Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 0, ple_index)
+    with torch.no_grad():
+        emb.ngram_embedding.weight.zero_()
+        emb.ngram_embedding.weight[:, 0] = torch.arange(emb.ngram_embedding.weight.shape[0])
+    spec = NgramHashSpec.from_config(cfg, ple_index)
+    out = []
+    for p in prompts:
+        e = emb(torch.tensor([p]), None)[0].view(len(p), spec.num_heads, spec.head_dim)
+        out.append(e[:, :, 0].round().long())
+    return out
+
+
+def pack(prompts):
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    qsl = torch.tensor([0] + [len(p) for p in prompts]).cumsum(0).to(torch.int32)
+    return ids, qsl
+
+
+def random_prompts(gen, n, max_len, vocab=97, eos_rate=0.15):
+    lens = torch.randint(1, max_len + 1, (n,), generator=gen).tolist()
+    prompts = []
+    for length in lens:
+        p = torch.randint(0, vocab, (length,), generator=gen)
+        p[torch.rand(length, generator=gen) < eos_rate] = EOS
+        prompts.append(p.tolist())
+    return prompts
+
+
+@pytest.mark.parametrize("ngram_size", [2, 3, 4])
+@pytest.mark.parametrize("heads_per_ngram", [1, 3, 8])
+def test_packed_ids_equal_transformers(ngram_size, heads_per_ngram):
+    cfg = tiny_text_config(ngram_size=ngram_size, heads_per_ngram=heads_per_ngram)
+    gen = torch.Generator().manual_seed(ngram_size * 10 + heads_per_ngram)
+    prompts = random_prompts(gen, 5, 12) + [[EOS, 3, 4, EOS, EOS, 5, 6, 8]]
+    for ple_index in (0, 1):
+        spec = NgramHashSpec.from_config(cfg, ple_index)
+        ids, qsl = pack(prompts)
+        ctx = torch.full((len(prompts), ngram_size - 1), EOS)
+        ours = ngram_ids_reference(spec, ids, qsl, ctx)
+        assert torch.equal(ours, torch.cat(hf_ids(cfg, ple_index, prompts)))
+        assert torch.equal(ngram_hash(spec, ids, qsl, ctx), ours)
+
+
+def test_chunked_prefill_equals_one_shot():
+    cfg = tiny_text_config(ngram_size=4, heads_per_ngram=2)
+    spec = NgramHashSpec.from_config(cfg, 0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = random_prompts(gen, 4, 20)
+    ids, qsl = pack(prompts)
+    ctx = torch.full((4, 3), EOS)
+    full = ngram_ids_reference(spec, ids, qsl, ctx)
+    # feed every request in chunks of 1..3 tokens, interleaved in one packed batch per step
+    done = [0] * 4
+    got = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        chunks = []
+        for r, p in enumerate(prompts):
+            step = int(torch.randint(1, 4, (1,), generator=gen))
+            chunks.append(p[done[r] : done[r] + step])
+        c_ids, c_qsl = pack(chunks)
+        rows = ngram_hash(spec, c_ids, c_qsl, ctx)
+        assert torch.equal(rows, ngram_ids_reference(spec, c_ids, c_qsl, ctx))
+        for r in range(4):
+            got[r].append(rows[c_qsl[r] : c_qsl[r + 1]])
+            done[r] += len(chunks[r])
+        ctx = next_ngram_context(spec, c_ids, c_qsl, ctx)
+    assert torch.equal(torch.cat([torch.cat(g) for g in got]), full)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ngram_size=st.integers(2, 5),
+    per=st.integers(1, 8),
+    seed=st.integers(0, 2**31 - 1),
+    n_req=st.integers(1, 6),
+    block_t=st.sampled_from([16, 64]),
+)
+def test_triton_hash_matches_reference(ngram_size, per, seed, n_req, block_t):
+    cfg = tiny_text_config(ngram_size=ngram_size, heads_per_ngram=per)
+    spec = NgramHashSpec.from_config(cfg, 1)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = random_prompts(gen, n_req, 40)
+    ids, qsl = pack(prompts)
+    ctx = torch.randint(0, 97, (n_req, ngram_size - 1), generator=gen)
+    ctx[torch.rand(ctx.shape, generator=gen) < 0.3] = EOS
+    ref = ngram_ids_reference(spec, ids, qsl, ctx)
+    assert torch.equal(ngram_hash(spec, ids, qsl, ctx, block_t=block_t), ref)
+    assert ref.min() >= 0 and ref.max() < spec.rows
+
+
+def test_checkpoint_buffers_checked():
+    cfg = tiny_text_config()
+    spec = NgramHashSpec.from_config(cfg, 0)
+    emb = Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 0, 0)
+    spec.check_buffers(emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets)
+    with pytest.raises(ValueError, match="layers.0.ple.ple_embedding.layer_multipliers"):
+        spec.check_buffers(
+            emb.layer_multipliers + 2, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets, "layers.0.ple.ple_embedding."
+        )
+    with pytest.raises(ValueError, match="ngram_heads_offsets"):
+        spec.check_buffers(emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets.flip(0))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(ple_embed_dim=30), "ple_embed_dim=30 is not divisible"),
+        (dict(ple_layer_ids=[2]), r"ple_layer_ids \[2\] are not linear_attention"),
+        (dict(ple_layer_ids=[9]), "1-indexed"),
+        (dict(eos_token_id=None), "eos_token_id must be set"),
+    ],
+)
+def test_bad_config_named(change, match):
+    cfg = tiny_text_config()
+    for k, v in change.items():
+        object.__setattr__(cfg, k, v)  # bypass transformers' own validation: configs can arrive from elsewhere
+    with pytest.raises(ValueError, match=match):
+        NgramHashSpec.from_config(cfg, 0)
