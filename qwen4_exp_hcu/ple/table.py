@@ -1,0 +1,130 @@
+"""One PLE layer's embedding table, or the contiguous row range of it that this ETP rank owns.
+
+Stored INT8 + one bf16 scale per row (or BF16), on the accelerator or in host memory (pinned when
+an accelerator exists, so the lookup kernel reads it over UVA). Checkpoint shards stream straight
+into the final storage: no full-table temporary and no trip through the accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+
+
+def gather_dequant_reference(ids, weight, scale, start: int) -> torch.Tensor:
+    """Torch reference of the fused kernel: [T, H] ids -> [T, H*d] bf16, zeros for rows not owned."""
+    n, d = weight.shape
+    local = ids.long() - start
+    owned = (local >= 0) & (local < n)
+    if n == 0:
+        return torch.zeros(*ids.shape[:-1], ids.shape[-1] * d, dtype=torch.bfloat16, device=ids.device)
+    local = local.clamp(0, n - 1)
+    if scale is None:
+        vals = weight[local].to(torch.bfloat16)
+    else:
+        vals = dequantize_rows(weight[local].view(-1, d), scale[local].view(-1, 1)).view(*local.shape, d)
+    vals = torch.where(owned[..., None], vals, torch.zeros((), dtype=torch.bfloat16, device=vals.device))
+    return vals.flatten(-2)
+
+
+class PLETable:
+    """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16."""
+
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        quantized: bool = True,
+        device: torch.device | str = "cpu",
+        host: bool = False,
+        shard_rows: int | None = None,
+    ):
+        end = rows if end is None else end
+        if not 0 <= start <= end <= rows:
+            raise ValueError(f"PLE table row range [{start}, {end}) is not inside the table's {rows} rows.")
+        self.rows, self.dim, self.start, self.end = rows, dim, start, end
+        self.shard_rows = shard_rows or rows
+        self.compute_device = torch.device(device)
+        pin = host and torch.cuda.is_available()
+        if host and self.compute_device.type != "cpu" and not pin:
+            raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
+        where = torch.device("cpu") if host else self.compute_device
+        n = end - start
+        self.weight = torch.empty(n, dim, dtype=torch.int8 if quantized else torch.bfloat16, device=where, pin_memory=pin)
+        self.scale = torch.empty(n, 1, dtype=torch.bfloat16, device=where, pin_memory=pin) if quantized else None
+        self._loaded: set[int] = set()
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (self.scale.nbytes if self.quantized else 0)
+
+    def describe(self) -> str:
+        where = "pinned host" if self.weight.is_pinned() else str(self.weight.device)
+        kind = "int8+bf16 scale" if self.quantized else "bf16"
+        return f"rows [{self.start}, {self.end}) x {self.dim} {kind} in {where}: {self.nbytes / 2**20:.2f} MiB"
+
+    # ---- loading -------------------------------------------------------------------------------
+    def _shard_span(self, j: int) -> tuple[int, int]:
+        lo = j * self.shard_rows
+        return lo, min(lo + self.shard_rows, self.rows)
+
+    def expected_shards(self) -> list[int]:
+        """Checkpoint shards holding at least one owned row."""
+        n_shards = -(-self.rows // self.shard_rows)
+        return [j for j in range(n_shards) if max(self._shard_span(j)[0], self.start) < min(self._shard_span(j)[1], self.end)]
+
+    def load_shard(self, j: int, weight: torch.Tensor, scale: torch.Tensor | None = None, name: str = "shard") -> None:
+        """Copy the owned rows of checkpoint shard `j` (BF16, or INT8 with its scale) into storage."""
+        lo, hi = self._shard_span(j)
+        n = max(hi - lo, 0)
+        if scale is None:
+            if weight.dtype == torch.int8:
+                raise ValueError(f"{name}: int8 weight without its weight_scale.")
+            if tuple(weight.shape) != (n, self.dim):
+                raise ValueError(f"{name}: shape {tuple(weight.shape)}, expected {(n, self.dim)}.")
+        else:
+            validate_int8_weight(weight, n, self.dim, name)
+            validate_scale(scale, n, f"{name}_scale")
+        a, b = max(lo, self.start), min(hi, self.end)
+        if a < b:
+            w = weight[a - lo : b - lo]
+            s = None if scale is None else scale[a - lo : b - lo]
+            dst = slice(a - self.start, b - self.start)
+            if self.quantized and s is None:
+                w, s = quantize_rows(w)
+            elif not self.quantized and s is not None:
+                w, s = dequantize_rows(w, s), None
+            self.weight[dst].copy_(w)
+            if s is not None:
+                self.scale[dst].copy_(s)
+        self._loaded.add(j)
+
+    def check_loaded(self, name: str = "PLE table") -> None:
+        missing = sorted(set(self.expected_shards()) - self._loaded)
+        if missing:
+            raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
+
+    # ---- lookup --------------------------------------------------------------------------------
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H] int64 row ids -> [T, H*dim] bf16 (zeros where a row is not owned), into `out` if given."""
+        shape = (ids.shape[0], ids.shape[1] * self.dim)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=ids.device)
+        elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.device != ids.device or not out.is_contiguous():
+            raise ValueError(
+                f"lookup out must be a contiguous bf16 {shape} tensor on {ids.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}."
+            )
+        if ids.device.type == "cpu":
+            return out.copy_(gather_dequant_reference(ids, self.weight, self.scale, self.start))
+        from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
+
+        return gather_dequant(ids.contiguous(), self.weight, self.scale, self.start, out)

@@ -1,0 +1,164 @@
+"""PLE table: sharded loading, lookup parity with transformers, fused kernel vs reference, errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+from ple_configs import EOS, tiny_text_config
+from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.table import PLETable, gather_dequant_reference
+
+
+def shards(weight, parts):
+    n = -(-weight.shape[0] // parts)
+    return n, [weight[j * n : (j + 1) * n] for j in range(parts)]
+
+
+def table_from(weight, parts=4, quantized=False, **kw):
+    n, pieces = shards(weight, parts)
+    t = PLETable(weight.shape[0], weight.shape[1], quantized=quantized, shard_rows=n, **kw)
+    for j in t.expected_shards():
+        t.load_shard(j, pieces[j])
+    t.check_loaded()
+    return t
+
+
+def test_bf16_lookup_equals_transformers_embedding():
+    cfg = tiny_text_config(ngram_size=3, heads_per_ngram=4)
+    emb = Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 2, 1).to(torch.bfloat16)
+    torch.nn.init.normal_(emb.ngram_embedding.weight)
+    spec = NgramHashSpec.from_config(cfg, 1)
+    prompts = [[1, 2, 3, EOS, 4, 5], [9, 9, 9, 9], [EOS, 3]]
+    ids = torch.tensor([t for p in prompts for t in p])
+    qsl = torch.tensor([0, 6, 10, 12], dtype=torch.int32)
+    rows = ngram_ids(spec, ids, qsl, torch.full((3, 2), EOS))
+    table = table_from(emb.ngram_embedding.weight.detach(), parts=cfg.split_ngram_parts)
+    got = table.lookup(rows)
+    want = torch.cat([emb(torch.tensor([p]), None)[0] for p in prompts])
+    assert torch.equal(got, want)
+
+
+def test_int8_table_and_etp_ranges_sum_to_whole():
+    w = torch.randn(203, 16, dtype=torch.bfloat16)
+    q, s = quantize_rows(w)
+    want = dequantize_rows(q, s)
+    ids = torch.randint(0, 203, (50, 3))
+    n, qs = shards(q, 5)
+    _, ss = shards(s, 5)
+    total = torch.zeros(50, 48, dtype=torch.float32)
+    for start, end in [(0, 70), (70, 71), (71, 71), (71, 203)]:
+        t = PLETable(203, 16, start=start, end=end, quantized=True, shard_rows=n)
+        for j in t.expected_shards():
+            t.load_shard(j, qs[j], ss[j])
+        t.check_loaded()
+        total += t.lookup(ids).float()
+    assert torch.equal(total.to(torch.bfloat16), want[ids].flatten(1))
+
+
+def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
+    w = torch.randn(40, 8, dtype=torch.bfloat16)
+    t = table_from(w, quantized=True)
+    q, s = quantize_rows(w)
+    assert torch.equal(t.weight, q) and torch.equal(t.scale, s)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    d=st.sampled_from([1, 8, 16, 24, 128]),
+    t=st.integers(0, 40),
+    heads=st.integers(1, 6),
+    quantized=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    block_p=st.sampled_from([4, 16]),
+)
+def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p):
+    g = torch.Generator().manual_seed(seed)
+    start = int(torch.randint(0, rows, (1,), generator=g))
+    end = int(torch.randint(start, rows + 1, (1,), generator=g))
+    w = torch.randn(end - start, d, generator=g).to(torch.bfloat16)
+    scale = None
+    if quantized:
+        w, scale = quantize_rows(w)
+    ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
+    out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
+    gather_dequant(ids, w, scale, start, out, block_p=block_p)
+    assert torch.equal(out, gather_dequant_reference(ids, w, scale, start))
+
+
+def test_bad_inputs_named():
+    with pytest.raises(ValueError, match=r"\[5, 20\) is not inside the table's 10 rows"):
+        PLETable(10, 4, start=5, end=20)
+    t = PLETable(10, 4, quantized=True, shard_rows=5)
+    q, s = quantize_rows(torch.randn(5, 4))
+    with pytest.raises(ValueError, match="shard_0_scale"):
+        t.load_shard(0, q, s.float(), name="shard_0")
+    with pytest.raises(ValueError, match="shard_0_scale"):
+        t.load_shard(0, q, s[:4], name="shard_0")
+    with pytest.raises(ValueError, match="shard_0_scale"):
+        t.load_shard(0, q, torch.full_like(s, float("nan")), name="shard_0")
+    with pytest.raises(ValueError, match="shard_0_scale"):
+        t.load_shard(0, q, -s.abs() - 1, name="shard_0")
+    t.load_shard(0, torch.zeros_like(q), torch.zeros_like(s), name="shard_0")  # all-zero rows: scale 0 is fine
+    with pytest.raises(ValueError, match=r"shards \[1\] were never loaded"):
+        t.check_loaded()
+    with pytest.raises(ValueError, match="shard_1"):
+        t.load_shard(1, q[:, :3], s, name="shard_1")
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    for bad in (torch.empty(3, 8), torch.empty(3, 7, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="lookup out must be"):
+            t.lookup(ids, out=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gpu_lookup_exact_device_and_pinned_host(host, quantized):
+    w = torch.randn(1000, 64, dtype=torch.bfloat16)
+    t = table_from(w, parts=7, quantized=quantized, device="cuda", host=host)
+    assert t.weight.is_pinned() == host and (t.weight.device.type == "cpu") == host
+    ids = torch.randint(-5, 1005, (300, 8), device="cuda")
+    got = t.lookup(ids)
+    cpu = table_from(w, parts=7, quantized=quantized)
+    assert torch.equal(got.cpu(), cpu.lookup(ids.cpu()))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_hash_and_lookup_replay():
+    cfg = tiny_text_config(ngram_size=3, heads_per_ngram=4)
+    spec = NgramHashSpec.from_config(cfg, 0)
+    w = torch.randn(spec.rows, spec.head_dim, dtype=torch.bfloat16)
+    t = table_from(w, parts=4, quantized=True, device="cuda", host=True)
+    cpu = table_from(w, parts=4, quantized=True)
+    T, B = 64, 4
+    ids = torch.zeros(T, dtype=torch.int64, device="cuda")
+    qsl = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    ctx = torch.full((B, 2), EOS, dtype=torch.int64, device="cuda")
+    rows = torch.empty(T, spec.num_heads, dtype=torch.int64, device="cuda")
+    out = torch.empty(T, spec.num_heads * spec.head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        ngram_ids(spec, ids, qsl, ctx, out=rows)
+        t.lookup(rows, out=out)
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        step()  # compile kernels outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids.copy_(torch.randint(0, 97, (T,), generator=g))
+        cuts = torch.sort(torch.randint(0, T + 1, (B - 1,), generator=g)).values
+        qsl.copy_(torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]))
+        ctx.copy_(torch.randint(0, 97, (B, 2), generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cpu.lookup(ngram_ids(spec, ids.cpu(), qsl.cpu(), ctx.cpu()))
+        assert torch.equal(out.cpu(), want)
