@@ -120,19 +120,24 @@ class NgramHashSpec:
         embed_dim = text_config.ple_embed_dim or text_config.hidden_size
         return cls(n, per, eos_id(text_config), embed_dim // heads, mults, sizes, offsets, rows)
 
+    def check_buffer(self, name: str, stored, where: str = "") -> None:
+        """Compare one stored hash buffer of the checkpoint with what the config implies."""
+        expected = {
+            "layer_multipliers": self.multipliers,
+            "ngram_heads_vocab_sizes": self.head_sizes,
+            "ngram_heads_offsets": self.head_offsets,
+        }[name]
+        got = tuple(int(v) for v in torch.as_tensor(stored).flatten().tolist())
+        if got != expected:
+            raise ValueError(
+                f"checkpoint buffer {where}{name} = {list(got)[:8]} disagrees with the config "
+                f"(expected {list(expected)[:8]}): ngram/seed/vocab settings do not match the checkpoint."
+            )
+
     def check_buffers(self, layer_multipliers, ngram_heads_vocab_sizes, ngram_heads_offsets, where: str = "") -> None:
-        """Compare the checkpoint's stored hash buffers with what the config implies."""
-        for name, stored, expected in (
-            ("layer_multipliers", layer_multipliers, self.multipliers),
-            ("ngram_heads_vocab_sizes", ngram_heads_vocab_sizes, self.head_sizes),
-            ("ngram_heads_offsets", ngram_heads_offsets, self.head_offsets),
-        ):
-            got = tuple(int(v) for v in torch.as_tensor(stored).flatten().tolist())
-            if got != expected:
-                raise ValueError(
-                    f"checkpoint buffer {where}{name} = {list(got)[:8]} disagrees with the config "
-                    f"(expected {list(expected)[:8]}): ngram/seed/vocab settings do not match the checkpoint."
-                )
+        self.check_buffer("layer_multipliers", layer_multipliers, where)
+        self.check_buffer("ngram_heads_vocab_sizes", ngram_heads_vocab_sizes, where)
+        self.check_buffer("ngram_heads_offsets", ngram_heads_offsets, where)
 
     def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(multipliers [N], head sizes [H], head offsets [H]) as int64 tensors on `device`."""

@@ -1,0 +1,113 @@
+"""ETP lookup: a PLE table's rows split into contiguous ranges over an embedding-parallel group.
+
+The group is the TP group (every rank holds the same tokens: each looks up its own rows, zeros for the
+rest, and an all-reduce sums them) or, with ``embedding_across_dp``, TP x DP ranks holding different
+tokens: ids are all-gathered (padded to the largest rank), every rank looks up its rows for all of
+them, and a reduce-scatter hands each rank the sum for its own tokens. Combining happens in bf16 after
+the fused dequant; since exactly one rank owns each row, the sum is exact.
+
+Collectives go through a small group interface that vLLM's `GroupCoordinator` satisfies as is
+(`world_size`, `rank_in_group`, `all_reduce`, `all_gather(x, dim)`, `reduce_scatter(x, dim)`) and that
+`TorchGroup` adapts for plain `torch.distributed` process groups.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from qwen4_exp_hcu.ple.table import PLETable
+
+
+class Group(Protocol):
+    world_size: int
+    rank_in_group: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+    def reduce_scatter(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+class TorchGroup:
+    """`torch.distributed` process group with GroupCoordinator's collective signatures."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank_in_group = dist.get_rank(group)
+        self._gloo = dist.get_backend(group) == "gloo"
+
+    def all_reduce(self, x):
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x, dim=-1):
+        assert dim == 0, "TorchGroup gathers along dim 0"
+        out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, x, dim=-1):
+        assert dim == 0, "TorchGroup scatters along dim 0"
+        n = x.shape[0] // self.world_size
+        if self._gloo:  # gloo has no reduce_scatter
+            x = self.all_reduce(x.contiguous())
+            return x[self.rank_in_group * n : (self.rank_in_group + 1) * n].clone()
+        out = x.new_empty(n, *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+
+def owned_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous `[start, end)` row range of `rank`; sizes differ by at most one row."""
+    base, extra = divmod(rows, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+class ETPLookup:
+    """Lookup of a table sharded over `group`; `across_dp` when the ranks hold different tokens."""
+
+    def __init__(self, table: PLETable, group: Group | None, across_dp: bool = False):
+        self.table, self.group, self.across_dp = table, group, across_dp
+        rank, world = (group.rank_in_group, group.world_size) if group is not None else (0, 1)
+        expected = owned_rows(table.rows, rank, world)
+        if (table.start, table.end) != expected:
+            raise ValueError(
+                f"PLE table owns rows [{table.start}, {table.end}) but ETP rank {rank} of {world} "
+                f"should own [{expected[0]}, {expected[1]})."
+            )
+
+    def bytes_per_token(self, num_heads: int) -> int:
+        """Bytes each rank sends/receives per token through the combine (ring-algorithm volume)."""
+        world = self.group.world_size if self.group is not None else 1
+        if world == 1:
+            return 0
+        emb = num_heads * self.table.dim * 2
+        if not self.across_dp:
+            return 2 * (world - 1) * emb // world  # all-reduce
+        return (world - 1) * num_heads * 8 + (world - 1) * emb  # gather ids, reduce-scatter rows
+
+    def __call__(self, ids: torch.Tensor, out: torch.Tensor | None = None, max_tokens: int | None = None) -> torch.Tensor:
+        """[T, H] row ids of this rank's tokens -> [T, H*d] bf16. `max_tokens` = most tokens any rank
+        holds this step (across DP only; every rank must pass the same value, e.g. vLLM's padded DP size);
+        without it the ranks exchange their counts first."""
+        g = self.group
+        if g is None or g.world_size == 1:
+            return self.table.lookup(ids, out=out)
+        if not self.across_dp:
+            summed = g.all_reduce(self.table.lookup(ids, out=out))
+            return summed if out is None or summed is out else out.copy_(summed)
+        T = ids.shape[0]
+        if max_tokens is None:
+            counts = g.all_gather(torch.tensor([T], device=ids.device), dim=0)
+            max_tokens = int(counts.max())
+        if T > max_tokens:
+            raise ValueError(f"this rank holds {T} tokens, more than max_tokens={max_tokens}.")
+        padded = torch.full((max_tokens, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)
+        padded[:T] = ids
+        partial = self.table.lookup(g.all_gather(padded, dim=0))
+        mine = g.reduce_scatter(partial, dim=0)[:T]
+        return mine if out is None else out.copy_(mine)
