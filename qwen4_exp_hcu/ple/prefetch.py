@@ -1,0 +1,56 @@
+"""Prefetch workspace: start each PLE lookup on a side stream while the preceding decoder layer runs.
+
+Persistent output buffers sized for `max_tokens` keep addresses fixed, so `start`/`wait` capture into
+one CUDA graph as a fork/join of the side stream (event record + wait; no eager break) and replay with
+new inputs. On CPU, `start` runs the lookup at once. Inputs passed to `start` must stay alive until
+`wait` (a serving engine's persistent input buffers do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qwen4_exp_hcu.ple.layer import PLELayer
+
+
+class PrefetchWorkspace:
+    def __init__(self, layers: Sequence[PLELayer], max_tokens: int, device: torch.device | str):
+        self.layers, self.max_tokens, device = list(layers), max_tokens, torch.device(device)
+        self.buffers = [
+            torch.empty(max_tokens, l.spec.num_heads * l.spec.head_dim, dtype=torch.bfloat16, device=device)
+            for l in self.layers
+        ]
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ready = [torch.cuda.Event() for _ in self.layers] if self.side is not None else []
+        self._tokens: dict[int, int] = {}
+
+    def start(self, i: int, input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state, max_tokens=None) -> None:
+        """Launch layer i's hash + lookup + ETP combine. `max_tokens`: the most tokens any ETP rank holds."""
+        T = input_ids.shape[0]
+        need = max(T, max_tokens or 0) if self.layers[i].etp.across_dp else T
+        if need > self.max_tokens:
+            raise ValueError(
+                f"PLE prefetch: {need} tokens exceed the workspace capacity max_tokens={self.max_tokens} "
+                "(raise max_num_batched_tokens for the workspace)."
+            )
+        out = self.buffers[i][:T]
+        args = (input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state)
+        if self.side is None:
+            self.layers[i].lookup(*args, out=out, max_tokens=max_tokens)
+        else:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                self.layers[i].lookup(*args, out=out, max_tokens=max_tokens)
+                self.ready[i].record(self.side)
+        self._tokens[i] = T
+
+    def wait(self, i: int) -> torch.Tensor:
+        """Join layer i's lookup; returns its [T, ple_embed_dim] bf16 embeddings (a view of the buffer)."""
+        if i not in self._tokens:
+            raise RuntimeError(f"PLE prefetch: wait({i}) without a start({i}) in this step.")
+        T = self._tokens.pop(i)
+        if self.side is not None:
+            torch.cuda.current_stream().wait_event(self.ready[i])
+        return self.buffers[i][:T]
