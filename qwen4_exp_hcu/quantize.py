@@ -1,0 +1,215 @@
+"""Quantize the PLE tables of a BF16 Qwen4Exp checkpoint to the INT8 row format.
+
+    python -m qwen4_exp_hcu.quantize SRC DST
+
+Every `...ple_embedding.ngram_embedding.shard_{j}.weight` becomes int8 `weight` + bf16 `weight_scale` in the
+same file; every other tensor is copied byte for byte; config.json gains the compressed-tensors
+`quantization_config`. Tensors are streamed one at a time (the PLE tables alone are ~90 GiB in BF16), and the
+output is built in a temporary folder beside DST and renamed into place only when complete.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from compressed_tensors.utils.match import match_name
+from safetensors import safe_open
+from tqdm import tqdm
+
+from qwen4_exp_hcu.ple.int8 import PLE_TARGET, SCALE_SUFFIX, ple_quantization_config, quantize_rows
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+# Weights in pickle formats would contradict (and could shadow) the quantized safetensors: never copied.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+_SOURCE_TABLE_DTYPES = ("BF16", "F32")
+
+
+def is_ple_table(tensor_name: str) -> bool:
+    """True for a PLE table weight, judged by the same target the written config declares."""
+    module, _, param = tensor_name.rpartition(".")
+    return param == "weight" and match_name(module, PLE_TARGET)
+
+
+def _scale_name(weight_name: str) -> str:
+    return f"{weight_name.removesuffix('weight')}{SCALE_SUFFIX}"
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's storage bytes, so copied tensors stay bit-identical whatever their dtype."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class _Entry:
+    """One output tensor: header facts known up front, bytes produced only when written."""
+
+    def __init__(self, name: str, dtype: str, shape: list[int], produce: Callable[[], torch.Tensor]):
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"{name}: safetensors dtype {dtype} is not supported by the quantizer")
+        self.name, self.dtype, self.shape, self.produce = name, dtype, shape, produce
+        self.nbytes = _DTYPE_BYTES[dtype] * int(torch.Size(shape).numel())
+
+
+def _plan_file(f, progress: tqdm) -> list[_Entry]:
+    """Output tensors of one safetensors file; a PLE table expands to weight + weight_scale."""
+    entries = []
+    for name in f.keys():
+        sl = f.get_slice(name)
+        dtype, shape = sl.get_dtype(), list(sl.get_shape())
+        if not is_ple_table(name):
+            entries.append(_Entry(name, dtype, shape, lambda name=name: f.get_tensor(name)))
+            continue
+        if dtype not in _SOURCE_TABLE_DTYPES or len(shape) != 2:
+            raise ValueError(f"{name}: expected a 2-D BF16/F32 PLE table, got {dtype} {shape} (already quantized?)")
+        stash: dict[str, torch.Tensor] = {}  # the scale waits here for the entry written right after its weight
+
+        def weight(name=name, stash=stash):
+            try:
+                q, stash["scale"] = quantize_rows(f.get_tensor(name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            progress.update()
+            return q
+
+        entries.append(_Entry(name, "I8", shape, weight))
+        entries.append(_Entry(_scale_name(name), "BF16", [shape[0], 1], lambda stash=stash: stash.pop("scale")))
+    return entries
+
+
+def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None) -> None:
+    """Stream tensors into a safetensors file: header from the plan, then each tensor's bytes in turn."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as safetensors itself does
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        for e in entries:
+            data = _raw_bytes(e.produce())
+            if data.nbytes != e.nbytes:
+                raise ValueError(f"{e.name}: produced {data.nbytes} bytes, planned {e.nbytes}")
+            out.write(data)
+
+
+def _weight_files(src: Path) -> tuple[list[str], dict | None]:
+    """Safetensors files to convert (from the index when sharded) and the index itself."""
+    index_path = src / INDEX
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        files = sorted(set(index["weight_map"].values()))
+        missing = [n for n in files if not (src / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX} names files missing from SRC: {missing}")
+        return files, index
+    files = sorted(p.name for p in src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {src}")
+    return files, None
+
+
+def _load_config(src: Path) -> dict:
+    config = json.loads((src / CONFIG).read_text())
+    text = config.get("text_config") or {}
+    if any(k in config for k in ("quantization_config", "compression_config")) or "quantization_config" in text:
+        raise ValueError(f"{src / CONFIG} already has a quantization config; SRC must be an unquantized checkpoint")
+    return config
+
+
+def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator[str]:
+    """Copy tokenizer and other side files; yields the weight files left out (pickles, unindexed safetensors)."""
+    for p in sorted(src.iterdir()):
+        if p.name in (CONFIG, INDEX, *weight_files) or p.name.startswith("."):
+            continue
+        if p.suffix in _PICKLE_SUFFIXES or p.suffix == ".safetensors":
+            yield p.name
+        elif p.is_dir():
+            shutil.copytree(p, dst / p.name)
+        else:
+            shutil.copy2(p, dst / p.name)
+
+
+def _convert_weights(src: Path, files: list[str], out: Path) -> tuple[dict[str, str], int]:
+    """Write each safetensors file of SRC, converted, into `out`; returns the new weight map and total bytes."""
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(src / n, framework="pt")) for n in files]
+        names = [k for h in handles for k in h.keys()]
+        scales = [n for n in names if n.endswith(f".{SCALE_SUFFIX}") and is_ple_table(n.removesuffix("_scale"))]
+        if scales:
+            raise ValueError(f"{scales[0]}: SRC already holds quantized PLE tables")
+        n_tables = sum(map(is_ple_table, names))
+        if n_tables == 0:
+            raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")
+        weight_map, total = {}, 0
+        with tqdm(total=n_tables, desc="Quantizing PLE shards", unit="shard") as progress:
+            for name, f in zip(files, handles):
+                entries = _plan_file(f, progress)
+                _write_safetensors(out / name, entries, f.metadata())
+                weight_map.update({e.name: name for e in entries})
+                total += sum(e.nbytes for e in entries)
+    return weight_map, total
+
+
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Write the INT8-PLE copy of checkpoint SRC into DST (absent or empty)."""
+    src, dst = Path(src), Path(dst)
+    if not (src / CONFIG).is_file():
+        raise FileNotFoundError(f"{src} has no {CONFIG}")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"DST {dst} exists and is not an empty folder; refusing to overwrite")
+    config = _load_config(src)
+    files, index = _weight_files(src)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        weight_map, total = _convert_weights(src, files, tmp)
+        config["quantization_config"] = ple_quantization_config()
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if index is not None:
+            index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+            index["weight_map"] = dict(sorted(weight_map.items()))
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for skipped in _copy_other_files(src, tmp, files):
+            print(f"quantize: not copying weight file {skipped} (pickle, or not in {INDEX})", file=sys.stderr)
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen4_exp_hcu.quantize",
+        description="Quantize the PLE tables of a BF16 Qwen4Exp checkpoint to INT8 rows (compressed-tensors).",
+    )
+    parser.add_argument("src", help="BF16 Hugging Face checkpoint folder")
+    parser.add_argument("dst", help="output folder (must not exist, or be empty)")
+    args = parser.parse_args(argv)
+    try:
+        quantize_checkpoint(args.src, args.dst)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The checkpoint quantizer on a tiny random Qwen4Exp, checked through compressed-tensors' own loaders."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import match_quantizable_tensors
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qwen4_exp_hcu.ple.int8 import dequantize_rows, ple_int8_scheme, ple_quantization_config, quantize_rows
+from qwen4_exp_hcu.quantize import INDEX, is_ple_table, main
+
+PLE = "model.layers.0.ple.ple_embedding.ngram_embedding"
+SPLIT = 3  # 4096 table rows -> uneven shards (1366, 1366, 1364)
+
+
+def tiny_config() -> transformers.Qwen4ExpTextConfig:
+    return transformers.Qwen4ExpTextConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, layer_types=["linear_attention", "indexed_attention"], linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+        ple_layer_ids=[1], heads_per_ngram=2, ngram_vocab_size_base=1000, split_ngram_parts=SPLIT, eos_token_id=1,
+        max_position_embeddings=128, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=64,
+        indexer_compress_ratio=4,
+    )  # fmt: skip
+
+
+def save_tiny(path: Path, max_shard_size: str) -> Path:
+    torch.manual_seed(0)
+    model = transformers.Qwen4ExpForCausalLM(tiny_config()).to(torch.bfloat16)
+    table = model.model.layers[0].ple.ple_embedding.ngram_embedding.weight
+    with torch.no_grad():
+        table[:7] = 0  # all-zero rows
+        table[7:9] *= 1e4  # rows of very different magnitude
+        table[9:11] *= 1e-30
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
+    (path / "training_args.bin").write_bytes(b"not copied")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharded_src(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("src_sharded"), "200KB")
+
+
+@pytest.fixture(scope="module")
+def single_src(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("src_single"), "50GB")
+
+
+def read_all(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """tensor name -> (file name, tensor) over every safetensors file of a checkpoint."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            out.update({k: (file.name, f.get_tensor(k)) for k in f.keys()})
+    return out
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def shard_names(tensors) -> list[str]:
+    return sorted((n for n in tensors if is_ple_table(n)), key=lambda n: int(n.split(".")[-2].removeprefix("shard_")))
+
+
+@pytest.fixture(scope="module", params=["sharded", "single"])
+def converted(request, tmp_path_factory):
+    src = request.getfixturevalue(f"{request.param}_src")
+    dst = tmp_path_factory.mktemp("dst") / "int8"
+    main([str(src), str(dst)])
+    return src, dst
+
+
+def test_other_tensors_untouched_and_layout_kept(converted):
+    src, dst = converted
+    before, after = read_all(src), read_all(dst)
+    shards = shard_names(before)
+    assert [n.rsplit(".", 2)[-2] for n in shards] == [f"shard_{j}" for j in range(SPLIT)]
+    assert sorted(os.listdir(src)) == sorted(set(os.listdir(dst)) | {"training_args.bin"})
+    scale_names = {n.replace(".weight", ".weight_scale") for n in shards}
+    assert set(after) == set(before) | scale_names
+    for name, (file, tensor) in before.items():
+        out_file, out = after[name]
+        assert out_file == file, f"{name} moved from {file} to {out_file}"
+        if name in shards:
+            scale_file, scale = after[name.replace(".weight", ".weight_scale")]
+            q_ref, scale_ref = quantize_rows(tensor)
+            assert scale_file == file
+            assert out.dtype == torch.int8 and out.shape == tensor.shape and torch.equal(out, q_ref)
+            assert scale.dtype == torch.bfloat16 and scale.shape == (tensor.shape[0], 1)
+            assert torch.equal(scale, scale_ref)
+        else:
+            assert out.dtype == tensor.dtype and out.shape == tensor.shape and raw(out) == raw(tensor), name
+    for file in dst.glob("*.safetensors"):
+        with safe_open(src / file.name, framework="pt") as a, safe_open(file, framework="pt") as b:
+            assert a.metadata() == b.metadata()
+
+
+def test_config_and_side_files(converted):
+    src, dst = converted
+    before = json.loads((src / "config.json").read_text())
+    after = json.loads((dst / "config.json").read_text())
+    assert after.pop("quantization_config") == ple_quantization_config()
+    assert after == before
+    assert ple_int8_scheme(json.loads((dst / "config.json").read_text())["quantization_config"])
+    assert (dst / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
+    assert not (dst / "training_args.bin").exists()
+    assert not list(dst.parent.glob(".int8.partial-*"))
+    if (src / INDEX).exists():
+        index = json.loads((dst / INDEX).read_text())
+        tensors = read_all(dst)
+        assert index["weight_map"] == {name: file for name, (file, _) in tensors.items()}
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in tensors.values())
+    else:
+        assert not (dst / INDEX).exists()
+
+
+def test_compressed_tensors_decompressor_round_trip(converted):
+    """compressed-tensors' model-free path: its target matching + the compressor its format names."""
+    src, dst = converted
+    qconfig = QuantizationConfig.model_validate(json.loads((dst / "config.json").read_text())["quantization_config"])
+    tensors = {name: t for name, (_, t) in read_all(dst).items()}
+    decompressed = {}
+    for scheme in qconfig.config_groups.values():
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        params = compressor.compression_param_names(scheme)
+        assert params == ("weight", "weight_scale")
+        for module, _ in match_quantizable_tensors(tensors, qconfig.ignore, scheme.targets, param_targets=[params[0]]):
+            state = {p: tensors[f"{module}.{p}"] for p in params}
+            decompressed[f"{module}.weight"] = compressor.decompress(state, scheme)["weight"]
+    originals = {name: t for name, (_, t) in read_all(src).items() if is_ple_table(name)}
+    assert decompressed.keys() == originals.keys()
+    for name, original in originals.items():
+        expected = dequantize_rows(*quantize_rows(original))
+        assert decompressed[name].dtype == torch.bfloat16
+        assert torch.equal(decompressed[name].view(torch.int16), expected.view(torch.int16)), name
+
+
+def test_transformers_compressed_tensors_loader_round_trip(converted):
+    """transformers' CompressedTensors loader: shards concatenated, then decompressed by compressed-tensors."""
+    src, dst = converted
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=transformers.CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16
+    )
+    table = model.model.layers[0].ple.ple_embedding.ngram_embedding.weight
+    originals = read_all(src)
+    expected = torch.cat([dequantize_rows(*quantize_rows(originals[n][1])) for n in shard_names(originals)])
+    assert table.dtype == torch.bfloat16
+    assert torch.equal(table.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(expected, torch.cat([originals[n][1] for n in shard_names(originals)]))  # it is lossy
+
+
+def test_refuses_non_empty_dst(sharded_src, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main([str(sharded_src), str(tmp_path)])
+    assert e.value.code == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["keep.txt"]
+
+
+def test_empty_dst_folder_is_accepted(sharded_src, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    main([str(sharded_src), str(dst)])
+    assert (dst / "config.json").exists()
+
+
+def test_refuses_already_quantized(converted, tmp_path, capsys):
+    _, dst = converted
+    with pytest.raises(SystemExit):
+        main([str(dst), str(tmp_path / "again")])
+    assert "already has a quantization config" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+
+
+def fake_checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ({f"{PLE}.shard_0.weight": torch.tensor([[1.0, float("nan")]], dtype=torch.bfloat16)},
+         rf"{PLE}\.shard_0\.weight: PLE table has non-finite"),
+        ({f"{PLE}.shard_0.weight": torch.zeros(2, 4, dtype=torch.int8)}, r"already quantized"),
+        ({f"{PLE}.shard_0.weight_scale": torch.ones(2, 1, dtype=torch.bfloat16)}, r"already holds quantized"),
+        ({"model.embed_tokens.weight": torch.zeros(2, 4)}, r"no PLE tables"),
+    ],
+)  # fmt: skip
+def test_refuses_bad_sources_and_leaves_nothing(tmp_path, capsys, tensors, message):
+    src = fake_checkpoint(tmp_path / "src", tensors)
+    with pytest.raises(SystemExit):
+        main([str(src), str(tmp_path / "dst")])
+    assert re.search(message, capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no DST, no partial folder
+
+
+def test_missing_source_files(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nowhere"), str(tmp_path / "dst")])
+    assert "has no config.json" in capsys.readouterr().err
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {"a.weight": "model-1.safetensors"}}))
+    with pytest.raises(SystemExit):
+        main([str(src), str(tmp_path / "dst")])
+    assert "missing from SRC" in capsys.readouterr().err
