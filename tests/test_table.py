@@ -75,8 +75,9 @@ def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
     quantized=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
     block_p=st.sampled_from([4, 16]),
+    sort=st.booleans(),
 )
-def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p):
+def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p, sort):
     g = torch.Generator().manual_seed(seed)
     start = int(torch.randint(0, rows, (1,), generator=g))
     end = int(torch.randint(start, rows + 1, (1,), generator=g))
@@ -86,7 +87,7 @@ def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, bloc
         w, scale = quantize_rows(w)
     ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
-    gather_dequant(ids, w, scale, start, out, block_p=block_p)
+    gather_dequant(ids, w, scale, start, out, block_p=block_p, sort=sort)
     assert torch.equal(out, gather_dequant_reference(ids, w, scale, start))
 
 

@@ -25,13 +25,16 @@ def _to_bf16_rtne(x):
 
 @triton.jit
 def _gather_dequant_kernel(
-    ids_ptr, w_ptr, s_ptr, out_ptr,
+    ids_ptr, perm_ptr, w_ptr, s_ptr, out_ptr,
     n_pairs, start, n_rows,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PERM: tl.constexpr,
 ):
-    pair = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # flat (token, head) index
-    pmask = pair < n_pairs
-    row = tl.load(ids_ptr + pair, mask=pmask, other=-1) - start
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pmask = p < n_pairs
+    row = tl.load(ids_ptr + p, mask=pmask, other=-1) - start
+    # sorted mode: ids come in row order (neighbouring programs touch neighbouring host pages),
+    # perm[p] says which flat (token, head) pair each one belongs to
+    pair = tl.load(perm_ptr + p, mask=pmask, other=0) if HAS_PERM else p
     owned = pmask & (row >= 0) & (row < n_rows)
     row = tl.where(owned, row, 0)
     cols = tl.arange(0, BLOCK_D)
@@ -43,14 +46,21 @@ def _gather_dequant_kernel(
     tl.store(out_ptr + pair[:, None] * D + cols[None, :], _to_bf16_rtne(w), mask=pmask[:, None] & (cols[None, :] < D))
 
 
-def gather_dequant(ids, weight, scale, start: int, out, block_p: int = 16) -> torch.Tensor:
-    """ids [T, H] int64; weight [n_rows, d] int8 (or bf16 with scale=None); out [T, H*d] bf16."""
+def gather_dequant(
+    ids, weight, scale, start: int, out, block_p: int = 16, num_warps: int = 4, sort: bool = False
+) -> torch.Tensor:
+    """ids [T, H] int64; weight [n_rows, d] int8 (or bf16 with scale=None); out [T, H*d] bf16.
+    `sort` visits the rows in id order (better locality for host tables; costs a sort)."""
     n_pairs = ids.numel()
     if n_pairs:
         d = weight.shape[1]
+        flat, perm = ids.reshape(-1), None
+        if sort:
+            flat, perm = torch.sort(flat)
         _gather_dequant_kernel[(triton.cdiv(n_pairs, block_p),)](
-            ids, weight, scale if scale is not None else weight, out,
+            flat, perm if sort else flat, weight, scale if scale is not None else weight, out,
             n_pairs, start, weight.shape[0],
             D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p, HAS_SCALE=scale is not None,
+            HAS_PERM=sort, num_warps=num_warps,
         )
     return out

@@ -1,0 +1,234 @@
+"""Offloaded INT8 PLE lookup bandwidth on one GPU, every path side by side in one run.
+
+    python benchmarks/bench_lookup.py [--table-gb 12] [--tokens 16384] [--out benchmarks/results]
+
+Table: INT8 rows of `--dim` bytes + one bf16 scale per row, sized to `--table-gb`, in pinned host memory
+(and a GPU-resident copy for the reference path). Row ids come from our n-gram hash (16 heads) over
+token streams: uniform ids, Zipf(1.1) tokens over the real vocab (248 320), and natural text
+(benchmarks/data/text_tokens.safetensors). Reported: GB/s of useful bytes (row + scale per (token, head))
+and the ratio to the measured bulk pinned->GPU copy bandwidth. Writes JSON + PNG into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
+from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+
+REAL_VOCAB = 248_320
+
+
+def hash_spec(rows_target: int, heads_per_ngram: int, dim: int) -> NgramHashSpec:
+    """The real hash (N=3) with per-head prime sizes chosen so the table has ~rows_target rows."""
+    heads = 2 * heads_per_ngram
+    cfg = SimpleNamespace(
+        vocab_size=REAL_VOCAB, hidden_size=heads * dim, ple_embed_dim=heads * dim, ngram_size=3,
+        heads_per_ngram=heads_per_ngram, ngram_vocab_size_base=rows_target // heads,
+        make_ngram_vocab_size_divisible_by=128, seed=1234, ple_layer_ids=[1], layer_types=["linear_attention"],
+        num_hidden_layers=1, eos_token_id=REAL_VOCAB - 1,
+    )
+    return NgramHashSpec.from_config(cfg, 0)
+
+
+def token_streams(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ranks = torch.arange(1, REAL_VOCAB + 1, dtype=torch.float64)
+    zipf = torch.randperm(REAL_VOCAB, generator=gen)[torch.multinomial(ranks.pow(-1.1), n, True, generator=gen)]
+    streams = {"uniform": torch.randint(0, REAL_VOCAB, (n,), generator=gen), "zipf1.1": zipf}
+    text = Path(__file__).parent / "data" / "text_tokens.safetensors"
+    if text.exists():
+        from safetensors.torch import load_file
+
+        toks = load_file(text)["tokens"].long()
+        streams["text"] = toks.repeat(-(-n // toks.numel()))[:n]
+    return streams
+
+
+@triton.jit
+def _packed_kernel(ids_ptr, rows_ptr, out_ptr, n_pairs, D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Variant: scale stored beside its row ([rows, D + 2] bytes), one contiguous read per row."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    m = p < n_pairs
+    row = tl.load(ids_ptr + p, mask=m, other=0)
+    cols = tl.arange(0, D)
+    base = rows_ptr + row * (D + 2)
+    w = tl.load(base[:, None] + cols[None, :], mask=m[:, None], other=0).to(tl.float32)
+    lo = tl.load(base + D, mask=m, other=0).to(tl.uint8).to(tl.uint16)
+    hi = tl.load(base + D + 1, mask=m, other=0).to(tl.uint8).to(tl.uint16)
+    scale = (lo | (hi << 8)).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    tl.store(out_ptr + p[:, None] * D + cols[None, :], _to_bf16_rtne(w * scale[:, None]), mask=m[:, None])
+
+
+def uva_view(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor aliasing a pinned host tensor (what the earlier implementation fed F.embedding)."""
+    import cupy
+
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    mem = cupy.cuda.UnownedMemory(raw.data_ptr(), raw.nbytes, raw)
+    arr = cupy.ndarray(tuple(raw.shape), dtype=str(raw.dtype).removeprefix("torch."), memptr=cupy.cuda.MemoryPointer(mem, 0))
+    view = torch.as_tensor(arr, device="cuda")
+    return view.view(torch.bfloat16) if t.dtype == torch.bfloat16 else view
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--table-gb", type=float, default=12.0)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads-per-ngram", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    D, T = args.dim, args.tokens
+    spec = hash_spec(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D)
+    R, H = spec.rows, spec.num_heads
+    t0 = time.time()
+    w_host = torch.empty(R, D, dtype=torch.int8, pin_memory=True)
+    s_host = torch.empty(R, 1, dtype=torch.bfloat16, pin_memory=True)
+    chunk = 1 << 24
+    pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)
+    for a in range(0, R, chunk):
+        w_host[a : a + chunk].copy_(pattern[: min(chunk, R - a)])
+    s_host.copy_((torch.rand(R, 1, generator=gen) * 0.02).to(torch.bfloat16))
+    table_bytes = w_host.nbytes + s_host.nbytes
+    print(f"table {R} rows x {D} B = {table_bytes / 1e9:.2f} GB pinned in {time.time() - t0:.0f}s", flush=True)
+
+    bulk = torch.empty(1 << 31, dtype=torch.int8, pin_memory=True)
+    bulk_gpu = torch.empty_like(bulk, device="cuda")
+    bulk_gbs = bulk.nbytes / do_bench(lambda: bulk_gpu.copy_(bulk, non_blocking=True)) / 1e6
+    del bulk, bulk_gpu
+    w_gpu, s_gpu = w_host.cuda(), s_host.cuda()
+    w_uva, s_uva = uva_view(w_host), uva_view(s_host)
+    useful = T * H * (D + 2)
+
+    qsl = torch.arange(0, T + 1, 1024, device="cuda", dtype=torch.int32)
+    ctx = torch.full((qsl.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
+    out = torch.empty(T, H * D, dtype=torch.bfloat16, device="cuda")
+    stage_w = torch.empty(T * H, D, dtype=torch.int8, pin_memory=True)
+    stage_s = torch.empty(T * H, 1, dtype=torch.bfloat16, pin_memory=True)
+
+    # tuning sweep of the fused kernel (uniform ids)
+    ids_uniform = torch.randint(0, R, (T, H), device="cuda")
+    sweep = {}
+    for bp in (4, 8, 16, 32, 64):
+        for nw in (1, 2, 4, 8):
+            ms = do_bench(lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw))
+            sweep[f"block_p={bp},warps={nw}"] = useful / ms / 1e6
+    best = max(sweep, key=sweep.get)
+    bp, nw = (int(kv.split("=")[1]) for kv in best.split(","))
+    print(f"best fused config {best}: {sweep[best]:.2f} GB/s", flush=True)
+
+    packed = None
+    try:
+        packed = torch.empty(R, D + 2, dtype=torch.int8, pin_memory=True)
+        for a in range(0, R, chunk):
+            b = min(a + chunk, R)
+            packed[a:b, :D].copy_(w_host[a:b])
+            packed[a:b, D:].copy_(s_host[a:b].view(torch.int8).view(b - a, 2))
+    except RuntimeError as e:  # host memory
+        print("packed variant skipped:", e)
+        packed = None
+
+    def earlier(ids):
+        e = F.embedding(ids, w_uva).float() * F.embedding(ids, s_uva).float()
+        out.copy_(e.to(torch.bfloat16).view(T, H * D))
+
+    def vllm_style(ids):
+        flat = ids.view(-1)
+        rows, sc = w_uva.index_select(0, flat), s_uva.index_select(0, flat)
+        out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
+
+    def host_staging(ids):
+        flat = ids.view(-1).cpu()
+        torch.index_select(w_host, 0, flat, out=stage_w)
+        torch.index_select(s_host, 0, flat, out=stage_s)
+        rows, sc = stage_w.cuda(non_blocking=True), stage_s.cuda(non_blocking=True)
+        out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
+
+    variants = {
+        "fused (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw),
+        "fused sorted (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True),
+        "earlier impl (F.embedding on UVA)": earlier,
+        "vLLM-style (row copy, then dequant)": vllm_style,
+        "host gather + H2D": host_staging,
+        "GPU-resident (ours)": lambda ids: gather_dequant(ids, w_gpu, s_gpu, 0, out, block_p=bp, num_warps=nw),
+    }
+    if packed is not None:
+        variants["fused, scale beside row"] = lambda ids: _packed_kernel[(triton.cdiv(T * H, bp),)](
+            ids, packed, out, T * H, D=D, BLOCK_P=bp, num_warps=nw
+        )
+
+    results = {}
+    for source, tokens in token_streams(T, gen).items():
+        tok = tokens.cuda()
+        ids = ids_uniform if source == "uniform" else ngram_hash(spec, tok, qsl, ctx)
+        ref = gather_dequant(ids, w_gpu, s_gpu, 0, torch.empty_like(out)).clone()
+        hash_ms = do_bench(lambda: ngram_hash(spec, tok, qsl, ctx))
+        unique = torch.unique(ids).numel() / ids.numel()
+        results[source] = {"unique_row_fraction": unique, "hash_ms": hash_ms, "variants": {}}
+        for name, fn in variants.items():
+            fn(ids)
+            torch.cuda.synchronize()
+            exact = bool(torch.equal(out, ref))
+            ms = do_bench(lambda: fn(ids))
+            gbs = useful / ms / 1e6
+            results[source]["variants"][name] = {"ms": ms, "GB/s": gbs, "ratio_to_bulk": gbs / bulk_gbs, "exact": exact}
+            print(f"{source:8s} {name:38s} {ms:8.3f} ms {gbs:7.2f} GB/s  x{gbs / bulk_gbs:.3f} bulk  exact={exact}", flush=True)
+        fused = results[source]["variants"]["fused (ours)"]["ms"]
+        results[source]["hash_over_lookup"] = hash_ms / fused
+
+    report = {
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": __import__("os").cpu_count()},
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful},
+        "bulk_pinned_to_gpu_GBps": bulk_gbs,
+        "fused_sweep_uniform_GBps": sweep,
+        "best_fused_config": best,
+        "results": results,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_lookup.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / "bench_lookup.png")
+    print(json.dumps({s: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for s, r in results.items()}, indent=1))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = list(report["results"])
+    names = list(report["results"][sources[0]]["variants"])
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        vals = [report["results"][s]["variants"][name]["GB/s"] for s in sources]
+        ax.bar([i + k * width for i in range(len(sources))], vals, width, label=name)
+    ax.axhline(report["bulk_pinned_to_gpu_GBps"], color="k", ls="--", label="bulk pinned->GPU copy")
+    ax.set_yscale("log")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sources))], sources)
+    ax.set_ylabel("useful GB/s (row + scale per token-head)")
+    p = report["params"]
+    ax.set_title(f"PLE INT8 lookup, {p['table_bytes'] / 1e9:.1f} GB table, {p['tokens']} tokens x {p['heads']} heads, {report['machine']['gpu']}")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
