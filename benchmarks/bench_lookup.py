@@ -27,6 +27,7 @@ from triton.testing import do_bench
 from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+from qwen4_exp_hcu.ple.table import PLETable
 
 REAL_VOCAB = 248_320
 
@@ -43,7 +44,7 @@ def hash_spec(rows_target: int, heads_per_ngram: int, dim: int) -> NgramHashSpec
     return NgramHashSpec.from_config(cfg, 0)
 
 
-def token_streams(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def token_streams(n: int, gen: torch.Generator, offset: int = 0) -> dict[str, torch.Tensor]:
     ranks = torch.arange(1, REAL_VOCAB + 1, dtype=torch.float64)
     zipf = torch.randperm(REAL_VOCAB, generator=gen)[torch.multinomial(ranks.pow(-1.1), n, True, generator=gen)]
     streams = {"uniform": torch.randint(0, REAL_VOCAB, (n,), generator=gen), "zipf1.1": zipf}
@@ -52,7 +53,7 @@ def token_streams(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         toks = load_file(text)["tokens"].long()
-        streams["text"] = toks.repeat(-(-n // toks.numel()))[:n]
+        streams["text"] = toks.roll(-offset).repeat(-(-n // toks.numel()))[:n]  # calibration: the text after
     return streams
 
 
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads-per-ngram", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--calib-tokens", type=int, default=131072)
+    ap.add_argument("--cache-rows", type=int, default=1 << 23, help="GPU hot-row cache size (8M rows ~ 1 GB)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -96,8 +99,8 @@ def main() -> None:
     spec = hash_spec(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D)
     R, H = spec.rows, spec.num_heads
     t0 = time.time()
-    w_host = torch.empty(R, D, dtype=torch.int8, pin_memory=True)
-    s_host = torch.empty(R, 1, dtype=torch.bfloat16, pin_memory=True)
+    table = PLETable(R, D, quantized=True, device="cuda", host=True)
+    w_host, s_host = table.weight, table.scale
     chunk = 1 << 24
     pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)
     for a in range(0, R, chunk):
@@ -120,16 +123,26 @@ def main() -> None:
     stage_w = torch.empty(T * H, D, dtype=torch.int8, pin_memory=True)
     stage_s = torch.empty(T * H, 1, dtype=torch.bfloat16, pin_memory=True)
 
-    # tuning sweep of the fused kernel (uniform ids)
+    # tuning sweeps of the fused kernel (uniform ids): plain grid, then sorted ids with a capped grid
     ids_uniform = torch.randint(0, R, (T, H), device="cuda")
-    sweep = {}
+    sweep, sweep_sorted = {}, {}
     for bp in (4, 8, 16, 32, 64):
         for nw in (1, 2, 4, 8):
             ms = do_bench(lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw))
             sweep[f"block_p={bp},warps={nw}"] = useful / ms / 1e6
+    for programs in (0, 33, 66, 132, 264, 528, 1056, 2112):
+        for bp in (8, 16, 32):
+            for nw in (1, 4):
+                fn = lambda: gather_dequant(
+                    ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True, programs=programs or None
+                )
+                sweep_sorted[f"programs={programs},block_p={bp},warps={nw}"] = useful / do_bench(fn) / 1e6
     best = max(sweep, key=sweep.get)
     bp, nw = (int(kv.split("=")[1]) for kv in best.split(","))
-    print(f"best fused config {best}: {sweep[best]:.2f} GB/s", flush=True)
+    best_sorted = max(sweep_sorted, key=sweep_sorted.get)
+    tuned = dict(zip(("programs", "block_p", "num_warps"), (int(kv.split("=")[1]) for kv in best_sorted.split(","))))
+    tuned["programs"] = tuned["programs"] or None
+    print(f"best fused config {best}: {sweep[best]:.2f} GB/s; sorted {best_sorted}: {sweep_sorted[best_sorted]:.2f}", flush=True)
 
     packed = None
     try:
@@ -161,6 +174,10 @@ def main() -> None:
     variants = {
         "fused (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw),
         "fused sorted (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True),
+        "fused sorted, windowed grid (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, sort=True, **tuned),
+        "fused sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
+            ids, w_host, s_host, 0, out, sort=True, cache=cache, **tuned
+        ),
         "earlier impl (F.embedding on UVA)": earlier,
         "vLLM-style (row copy, then dequant)": vllm_style,
         "host gather + H2D": host_staging,
@@ -172,13 +189,23 @@ def main() -> None:
         )
 
     results = {}
+    cache = None
+    calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=T)
     for source, tokens in token_streams(T, gen).items():
         tok = tokens.cuda()
         ids = ids_uniform if source == "uniform" else ngram_hash(spec, tok, qsl, ctx)
+        # hot-row cache from a separate calibration stream of the same kind (never the measured tokens)
+        calib = calib_streams[source].cuda()
+        cq = torch.arange(0, calib.numel() + 1, 1024, device="cuda", dtype=torch.int32)
+        cctx = torch.full((cq.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
+        calib_ids = torch.randint(0, R, (calib.numel(), H), device="cuda") if source == "uniform" else ngram_hash(spec, calib, cq, cctx)
+        table.cache_hot_rows(calib_ids, args.cache_rows)
+        cache = table.cache
+        hit_rate = float((cache[0][ids.flatten()] >= 0).float().mean())
         ref = gather_dequant(ids, w_gpu, s_gpu, 0, torch.empty_like(out)).clone()
         hash_ms = do_bench(lambda: ngram_hash(spec, tok, qsl, ctx))
         unique = torch.unique(ids).numel() / ids.numel()
-        results[source] = {"unique_row_fraction": unique, "hash_ms": hash_ms, "variants": {}}
+        results[source] = {"unique_row_fraction": unique, "hash_ms": hash_ms, "cache_hit_rate": hit_rate, "variants": {}}
         for name, fn in variants.items():
             fn(ids)
             torch.cuda.synchronize()
@@ -197,6 +224,9 @@ def main() -> None:
         "bulk_pinned_to_gpu_GBps": bulk_gbs,
         "fused_sweep_uniform_GBps": sweep,
         "best_fused_config": best,
+        "fused_sorted_sweep_uniform_GBps": sweep_sorted,
+        "best_sorted_config": tuned,
+        "cache_rows": args.cache_rows,
         "results": results,
     }
     out_dir = Path(args.out)

@@ -66,7 +66,7 @@ def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
     assert torch.equal(t.weight, q) and torch.equal(t.scale, s)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 300),
     d=st.sampled_from([1, 8, 16, 24, 128]),
@@ -76,8 +76,10 @@ def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
     seed=st.integers(0, 2**31 - 1),
     block_p=st.sampled_from([4, 16]),
     sort=st.booleans(),
+    programs=st.sampled_from([None, 1, 3]),
+    cached=st.booleans(),
 )
-def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p, sort):
+def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p, sort, programs, cached):
     g = torch.Generator().manual_seed(seed)
     start = int(torch.randint(0, rows, (1,), generator=g))
     end = int(torch.randint(start, rows + 1, (1,), generator=g))
@@ -85,9 +87,15 @@ def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, bloc
     scale = None
     if quantized:
         w, scale = quantize_rows(w)
+    cache = None
+    if cached:  # a random half of the owned rows lives in the "GPU" cache, in shuffled slots
+        hot = torch.randperm(end - start, generator=g)[: (end - start) // 2]
+        cmap = torch.full((end - start,), -1, dtype=torch.int32)
+        cmap[hot] = torch.arange(len(hot), dtype=torch.int32)
+        cache = (cmap, w[hot].clone(), None if scale is None else scale[hot].clone())
     ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
-    gather_dequant(ids, w, scale, start, out, block_p=block_p, sort=sort)
+    gather_dequant(ids, w, scale, start, out, block_p=block_p, sort=sort, programs=programs, cache=cache)
     assert torch.equal(out, gather_dequant_reference(ids, w, scale, start))
 
 
@@ -163,3 +171,14 @@ def test_gpu_cuda_graph_hash_and_lookup_replay():
         torch.cuda.synchronize()
         want = cpu.lookup(ngram_ids(spec, ids.cpu(), qsl.cpu(), ctx.cpu()))
         assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_hot_row_cache_changes_nothing_but_speed():
+    w = torch.randn(5000, 128, dtype=torch.bfloat16)
+    t = table_from(w, parts=3, quantized=True, device="cuda", host=True)
+    ids = torch.randint(0, 5000, (512, 16), device="cuda")
+    plain = t.lookup(ids).clone()
+    served = t.cache_hot_rows(ids[:256], max_rows=1000)
+    assert 0 < served <= 1 and t.cache[1].shape == (1000, 128)
+    assert torch.equal(t.lookup(ids), plain)

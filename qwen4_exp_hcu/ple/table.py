@@ -31,6 +31,10 @@ def gather_dequant_reference(ids, weight, scale, start: int) -> torch.Tensor:
 class PLETable:
     """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16."""
 
+    # kernel settings measured on an H200 (benchmarks/bench_lookup.py; README "Performance")
+    DEVICE_TUNING = dict(block_p=16, num_warps=4)
+    HOST_TUNING = dict(block_p=16, num_warps=4, sort=True, programs=None)
+
     def __init__(
         self,
         rows: int,
@@ -57,6 +61,7 @@ class PLETable:
         self.weight = torch.empty(n, dim, dtype=torch.int8 if quantized else torch.bfloat16, device=where, pin_memory=pin)
         self.scale = torch.empty(n, 1, dtype=torch.bfloat16, device=where, pin_memory=pin) if quantized else None
         self._loaded: set[int] = set()
+        self.cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -112,6 +117,24 @@ class PLETable:
         if missing:
             raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
 
+    # ---- hot-row cache ---------------------------------------------------------------------------
+    def cache_hot_rows(self, calibration_ids: torch.Tensor, max_rows: int) -> float:
+        """Keep the `max_rows` most frequent owned rows of a calibration id stream in accelerator memory
+        (plus an int32 row->slot map over the owned rows); returns the share of calibration lookups they
+        serve. Only for host tables: the lookup kernel checks the cache and skips host memory on a hit."""
+        if self.weight.device == self.compute_device:
+            raise ValueError("a hot-row cache only helps a host-resident PLE table.")
+        n = self.end - self.start
+        local = calibration_ids.flatten().long().cpu() - self.start
+        counts = torch.bincount(local[(local >= 0) & (local < n)], minlength=n)
+        top = counts.topk(min(max_rows, int((counts > 0).sum()))).indices
+        cmap = torch.full((n,), -1, dtype=torch.int32)
+        cmap[top] = torch.arange(len(top), dtype=torch.int32)
+        dev = self.compute_device
+        scale = None if self.scale is None else self.scale[top].to(dev)
+        self.cache = (cmap.to(dev), self.weight[top].to(dev), scale)
+        return float(counts[top].sum() / counts.sum().clamp_min(1))
+
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] int64 row ids -> [T, H*dim] bf16 (zeros where a row is not owned), into `out` if given."""
@@ -127,4 +150,5 @@ class PLETable:
             return out.copy_(gather_dequant_reference(ids, self.weight, self.scale, self.start))
         from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
 
-        return gather_dequant(ids.contiguous(), self.weight, self.scale, self.start, out)
+        tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
+        return gather_dequant(ids.contiguous(), self.weight, self.scale, self.start, out, cache=self.cache, **tuning)
