@@ -32,16 +32,17 @@ from qwen4_exp_hcu.ple.table import PLETable
 REAL_VOCAB = 248_320
 
 
-def hash_spec(rows_target: int, heads_per_ngram: int, dim: int) -> NgramHashSpec:
-    """The real hash (N=3) with per-head prime sizes chosen so the table has ~rows_target rows."""
+def bench_config(rows_target: int, heads_per_ngram: int, dim: int) -> SimpleNamespace:
+    """A PLE config with the real hash (N=3, vocab 248 320, hc 4, hidden 2048) whose per-head prime
+    sizes give the table ~rows_target rows."""
     heads = 2 * heads_per_ngram
-    cfg = SimpleNamespace(
+    return SimpleNamespace(
         vocab_size=REAL_VOCAB, hidden_size=heads * dim, ple_embed_dim=heads * dim, ngram_size=3,
         heads_per_ngram=heads_per_ngram, ngram_vocab_size_base=rows_target // heads,
         make_ngram_vocab_size_divisible_by=128, seed=1234, ple_layer_ids=[1], layer_types=["linear_attention"],
-        num_hidden_layers=1, eos_token_id=REAL_VOCAB - 1,
+        num_hidden_layers=1, eos_token_id=REAL_VOCAB - 1, hc_count=4, ple_conv_kernel_size=4,
+        split_ngram_parts=512, rms_norm_eps=1e-6,
     )
-    return NgramHashSpec.from_config(cfg, 0)
 
 
 def token_streams(n: int, gen: torch.Generator, offset: int = 0) -> dict[str, torch.Tensor]:
@@ -96,7 +97,7 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     D, T = args.dim, args.tokens
-    spec = hash_spec(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D)
+    spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
     R, H = spec.rows, spec.num_heads
     t0 = time.time()
     table = PLETable(R, D, quantized=True, device="cuda", host=True)
