@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+# Share of each lm_head row that points at the embedding of the token it predicts next (see below).
+SUCCESSOR_WEIGHT = 0.6
 
 
 def load_config(config_path: str | Path = DEFAULT_CONFIG, **overrides):
@@ -70,6 +71,30 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         else:
             fan_in = param.shape[-1]
             param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+    _make_greedy_unambiguous_(model, gen)
+
+
+@torch.no_grad()
+def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Give greedy decoding a margin far above bf16 noise, keeping every logit context-dependent.
+
+    A random lm_head gives near-uniform logits over 512 tokens: ~1.6% of greedy steps are decided by a
+    gap smaller than the bf16 rounding differences between two correct implementations, so token
+    parity between vLLM (bf16) and transformers would be luck. Each lm_head row is therefore a blend of
+    a random direction (context-dependent logits) and the embedding of the token it follows in a fixed
+    512-cycle, which makes that successor the argmax by a wide margin. Continuations stay distinct per
+    prompt and never repeat a token within 512 steps; logprobs still depend on the whole network.
+    """
+    embed = model.model.embed_tokens.weight.float()
+    vocab = embed.shape[0]
+    order = torch.randperm(vocab, generator=gen)
+    previous = torch.empty_like(order)
+    previous[order] = order.roll(1)  # the token each token follows in the cycle
+    successor_rows = embed[previous]
+    lm_head = model.lm_head.weight
+    unit = lambda w: w / w.norm(dim=1, keepdim=True)  # noqa: E731
+    scale = math.sqrt(embed.shape[1]) / 4
+    lm_head.copy_(scale * (SUCCESSOR_WEIGHT * unit(successor_rows) + (1 - SUCCESSOR_WEIGHT) * unit(lm_head.float())))
 
 
 def make_tiny_checkpoint(

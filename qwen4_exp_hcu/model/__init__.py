@@ -1,0 +1,1 @@
+"""vLLM model class for Qwen4Exp (imports vLLM; loaded lazily by the plugin)."""

@@ -1,0 +1,218 @@
+"""Text-only Qwen4Exp for vLLM: GDN/QSA hybrid + MoE + hyper-connections + host-offloaded PLE tables.
+
+Numerics follow transformers' `Qwen4ExpForCausalLM` (the oracle):
+embeddings repeated into `hc_count` residual streams → decoder layers → final hyper-connection mixer
+→ lm_head (the reference has no final norm: the mixer's grouped norm plays that role).
+Decoder layer: [PLE, added to the streams] → attn hyper-connection → GatedDeltaNet (`linear_attention`)
+or indexed attention → mlp hyper-connection → sparse MoE with a gated shared expert.
+"""
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.platforms import current_platform
+from vllm.sequence import IntermediateTensors
+
+from .attention import (
+    DenseGatedAttention,
+    check_dense_attention_allowed,
+    dense_attention_is_exact,
+    load_qsa_attention_cls,
+)
+from .hyper_connection import GatedResidual, inject
+
+# Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
+_STACKED = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+    ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+    ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+    ".in_proj_z": (".in_proj_qkvz", 3),
+    ".in_proj_b": (".in_proj_ba", 0),
+    ".in_proj_a": (".in_proj_ba", 1),
+}
+# Multimodal checkpoints nest the text model; MTP and vision weights belong to other models.
+_PREFIXES = {"model.language_model.": "model.", "mtp.": None, "model.visual.": None}
+
+
+def _check_parallel_config(vllm_config: VllmConfig) -> None:
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(
+            f"qwen4_exp_hcu's Qwen4ExpForCausalLM does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pp}): PLE needs the raw token ids on every rank. "
+            "Use tensor/data parallelism instead."
+        )
+
+
+def _gdn_config(config):
+    """The text config with `output_gate_type` resolved as transformers does (unset → `hidden_act`)."""
+    config = copy.copy(config)
+    config.output_gate_type = config.output_gate_type or config.hidden_act
+    return config
+
+
+class Qwen4ExpDecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.layer_type = config.layer_types[layer_idx]
+        self.ple = None
+        self.attn_hyper_connection = GatedResidual(config, prefix=f"{prefix}.attn_hyper_connection")
+        self.mlp_hyper_connection = GatedResidual(config, prefix=f"{prefix}.mlp_hyper_connection")
+        if self.layer_type == "linear_attention":
+            self.linear_attn = QwenGatedDeltaNetAttention(
+                _gdn_config(config), vllm_config=vllm_config, prefix=f"{prefix}.linear_attn"
+            )
+        elif use_qsa:
+            self.self_attn = load_qsa_attention_cls()(
+                vllm_config=vllm_config,
+                config=config,
+                layer_id=layer_idx,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.self_attn",
+            )
+        else:
+            self.self_attn = DenseGatedAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
+        self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + self.ple(streams, input_ids)
+        x, weights = self.attn_hyper_connection(streams)
+        if self.layer_type == "linear_attention":
+            x = self.linear_attn(hidden_states=x)
+        else:
+            x = self.self_attn(positions=positions, hidden_states=x)
+        streams = inject(streams, x, weights)
+        x, weights = self.mlp_hyper_connection(streams)
+        return inject(streams, self.mlp(x), weights)
+
+
+@support_torch_compile
+class Qwen4ExpModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.hc_count = config.hc_count
+        max_model_len = vllm_config.model_config.max_model_len
+        self.use_qsa = config.indexer_n_heads is not None and not dense_attention_is_exact(config, max_model_len)
+        if self.use_qsa and not current_platform.is_cuda_alike():
+            check_dense_attention_allowed(config, max_model_len, current_platform.device_name)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            Qwen4ExpDecoderLayer(vllm_config, i, prefix=f"{prefix}.layers.{i}", use_qsa=self.use_qsa)
+            for i in range(config.num_hidden_layers)
+        )
+        self.hyper_connection_mixer = GatedResidual(
+            config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        streams = hidden.repeat(1, self.hc_count)
+        for layer in self.layers:
+            streams = layer(positions, streams, input_ids)
+        return self.hyper_connection_mixer(streams)
+
+
+class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked=_STACKED, orig_to_new_prefix=_PREFIXES)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        _check_parallel_config(vllm_config)
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=self.quant_config,
+            prefix=_join(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        mapper = self.hf_to_vllm_mapper
+        if not self.model.use_qsa:
+            # Dense attention equals QSA within the budget; the indexer weights are not needed.
+            mapper = mapper | WeightsMapper(orig_to_new_substr={".self_attn.indexer.": None})
+        return AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.mamba_cache_dtype,
+            vllm_config.cache_config.mamba_ssm_cache_dtype,
+        )
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        config = vllm_config.model_config.hf_text_config
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+            vllm_config.num_speculative_tokens,
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
