@@ -1,0 +1,382 @@
+"""ETP / cross-DP lookup on CPU: multi-process gloo (world sizes 2 and 4) against the single-process layer.
+
+Topologies (rank = dp * TP + tp):
+* world 2: TP2 (one ETP group, same tokens), DP2 without ``embedding_across_dp`` (no group, each rank its
+  full table), DP2 with it (one ETP group of the 2 DP ranks, different tokens);
+* world 4: TP2 x DP2 without it (two ETP groups = the TP pairs, made with ``new_group``), and with it (one
+  ETP group of all 4; ranks of one DP replica hold the same tokens).
+Each runs prefill + decode steps with uneven token counts per DP rank (including ranks with zero tokens
+and a step where every rank has none), with prefetch off (``PLELayer.forward``) and on
+(``PrefetchWorkspace.start``/``wait`` -> ``forward(embeddings=...)``), with ``max_tokens`` not passed,
+passed exactly, and padded to the workspace capacity. Every output and every state tensor after every
+step must equal, bit for bit, the single-process reference (a ``PLELayer`` with group None over the same
+weights): each table row is owned by exactly one rank, so the bf16 sum adds a value to zeros (exact), and
+everything downstream runs the same ops on the same shapes in the same process. No tolerance is needed.
+
+Workers run every case inside one spawn per world size (process start + imports dominate the time).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import CountingGroup, init_process_group, qsl_of, random_ple_state_dict, spawn_workers, write_result
+from ple_configs import EOS, tiny_text_config
+from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup, owned_rows
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+from qwen4_exp_hcu.ple.table import PLETable, gather_dequant_reference
+
+CAP = 12  # prefetch workspace capacity (max_num_batched_tokens)
+SLOTS = 4
+LAYERS = ((0, True), (1, False))  # (ple_layer_index, INT8 table?): one INT8 and one BF16 table
+PAD = (-1, 0, True)  # a padding request with no tokens: a DP rank with no work this step (T = 0)
+# Per DP replica, per step: requests (slot, tokens, has_initial_state). Replica 0: prefill of 2 requests +
+# 2 decode steps (one with a padding request holding a token), then idle; replica 1: idle, prefill, 2 decodes.
+SCHEDULES = (
+    ([(3, 7, False), (0, 2, False)], [(3, 1, True), (0, 1, True)], [(3, 1, True), (0, 1, True), (-1, 1, True)], [PAD], [PAD]),
+    ([PAD], [(1, 4, False), (2, 3, False)], [(1, 1, True), (2, 1, True)], [(1, 1, True)], [PAD]),
+)
+FIRST_PREFILL = (0, 1)  # step of each replica whose requests are all new
+NSTEPS = len(SCHEDULES[0])
+TOKENS = [[sum(n for _, n, _ in steps[s]) for s in range(NSTEPS)] for steps in SCHEDULES]  # [[9,2,3,0,0],[0,7,2,1,0]]
+MAX_T = [max(t[s] for t in TOKENS) for s in range(NSTEPS)]
+MT_MODES = (None, "exact", "padded")  # max_tokens: not passed / max over the DP ranks / workspace capacity
+
+# The tiny config has H = (3-1)*2 = 4 heads of d = 8: one token's embedding is 4*8 bf16 = 64 B, its row
+# ids 4 int64 = 32 B. Per-rank ring volume per token: all-reduce 2(W-1)/W * 64; across DP all-gather of ids
+# (W-1)*32 plus reduce-scatter of rows (W-1)*64.
+HEADS, HEAD_DIM = 4, 8
+HAND_BYTES_PER_TOKEN = {
+    "tp2": 2 * 1 * 64 // 2,  # 64
+    "dp2": 0,  # no group: nothing moves
+    "dp2_across": 1 * 32 + 1 * 64,  # 96
+    "tp2xdp2": 2 * 1 * 64 // 2,  # 64 (within each TP pair)
+    "tp2xdp2_across": 3 * 32 + 3 * 64,  # 288
+}
+CASES = {2: ("tp2", "dp2", "dp2_across"), 4: ("tp2xdp2", "tp2xdp2_across")}
+
+
+# ---- worker side ---------------------------------------------------------------------------------
+def _build(cfg, sds, group, across):
+    return [
+        PLELayer.from_state_dict(cfg, i, sd, quantized=q, dtype=torch.float32, etp_group=group, across_dp=across)
+        for (i, q), sd in zip(LAYERS, sds)
+    ]
+
+
+def _step_inputs(cfg, dp, step):
+    reqs = SCHEDULES[dp][step]
+    g = torch.Generator().manual_seed(100 * dp + step)
+    T = sum(n for _, n, _ in reqs)
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    if (dp, step) == (0, 0):
+        ids[3] = EOS  # an n-gram boundary inside a prompt
+    C = cfg.hidden_size * cfg.hc_count
+    return {
+        "ids": ids,
+        "qsl": qsl_of([n for _, n, _ in reqs]),
+        "slots": torch.tensor([s for s, _, _ in reqs], dtype=torch.int64),
+        "init": torch.tensor([h for _, _, h in reqs], dtype=torch.bool),
+        "hs": [torch.randn(T, C, generator=g) for _ in LAYERS],
+    }
+
+
+def _run_steps(cfg, layers, dp, prefetch, mt_mode):
+    """All steps of replica `dp` from empty state: [(outputs per layer, (ngram, conv) states per layer)]."""
+    states = []
+    for layer in layers:
+        (ctx_shape, conv_shape) = layer.state_shapes()
+        states.append((torch.zeros(SLOTS, *ctx_shape, dtype=torch.int64), torch.zeros(SLOTS, *conv_shape)))
+    ws = PrefetchWorkspace(layers, CAP, "cpu") if prefetch else None
+    record = []
+    for step in range(NSTEPS):
+        x = _step_inputs(cfg, dp, step)
+        mt = {None: None, "exact": MAX_T[step], "padded": CAP}[mt_mode]
+        look = lambda i: (x["ids"], x["qsl"], x["slots"], states[i][0], x["init"])  # noqa: E731
+        if prefetch:  # all lookups issued first, as before the preceding decoder layers
+            for i in range(len(layers)):
+                ws.start(i, *look(i), max_tokens=mt)
+        outs = []
+        for i, layer in enumerate(layers):
+            if prefetch:
+                emb = ws.wait(i)
+            elif mt is not None:  # forward() takes no max_tokens: look up first, pass the embeddings
+                emb = layer.lookup(*look(i), max_tokens=mt)
+            else:
+                emb = None
+            outs.append(layer(x["hs"][i], x["ids"], x["qsl"], x["slots"], *states[i], x["init"], embeddings=emb))
+        record.append((outs, [(a.clone(), b.clone()) for a, b in states]))
+    return record
+
+
+def _compare(got, want, label, failures):
+    def diff(a, b):
+        return f"max|diff| {(a.double() - b.double()).abs().max().item():.3g}" if a.shape == b.shape and a.numel() else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+
+    for step, ((g_out, g_st), (w_out, w_st)) in enumerate(zip(got, want)):
+        for i in range(len(LAYERS)):
+            if not torch.equal(g_out[i], w_out[i]):
+                failures.append(f"{label}: step {step} layer {i} output differs ({diff(g_out[i], w_out[i])})")
+            for name, a, b in zip(("ngram_state", "conv_state"), g_st[i], w_st[i]):
+                if not torch.equal(a, b):
+                    failures.append(f"{label}: step {step} layer {i} {name} differs ({diff(a, b)})")
+
+
+def _expected_bytes(layer, dp, mt_mode):
+    """Bytes the ETP combine of one layer moves over all steps, from `bytes_per_token`."""
+    g = layer.etp.group
+    if g is None:
+        return 0
+    bpt, total = layer.etp.bytes_per_token(HEADS), 0
+    for step in range(NSTEPS):
+        if not layer.etp.across_dp:
+            total += bpt * TOKENS[dp][step]
+        else:
+            mt = {None: MAX_T[step], "exact": MAX_T[step], "padded": CAP}[mt_mode]
+            total += bpt * mt + (8 * (g.world_size - 1) if mt_mode is None else 0)  # + token-count exchange
+    return total
+
+
+def _topologies(rank, world):
+    if world == 2:
+        everyone = TorchGroup()
+        return [("tp2", everyone, False, 0), ("dp2", None, False, rank), ("dp2_across", everyone, True, rank)]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every subgroup, same order
+    return [
+        ("tp2xdp2", TorchGroup(pairs[rank // 2]), False, rank // 2),
+        ("tp2xdp2_across", TorchGroup(), True, rank // 2),
+    ]
+
+
+def _capacity_error_case(cfg, layers, rank, counting, failures):
+    """A DP rank with more tokens than the workspace holds: with max_tokens passed, every rank raises at
+    start() before any collective (so none is left waiting in one)."""
+    ws = PrefetchWorkspace(layers, CAP, "cpu")
+    T = CAP + 1 if rank == 0 else 1
+    ids, state = torch.randint(0, cfg.vocab_size, (T,)), torch.zeros(SLOTS, layers[0].spec.context_len, dtype=torch.int64)
+    calls = len(counting.calls)
+    try:
+        ws.start(0, ids, qsl_of([T]), torch.tensor([0]), state, torch.tensor([False]), max_tokens=CAP + 1)
+        failures.append(f"rank {rank}: start() with max_tokens={CAP + 1} > capacity {CAP} did not raise")
+    except ValueError as e:
+        if "capacity" not in str(e):
+            failures.append(f"rank {rank}: capacity error does not say so: {e}")
+    if len(counting.calls) != calls:
+        failures.append(f"rank {rank}: capacity error after a collective: {counting.calls[calls:]}")
+
+
+def _empty_batch_lookup(cfg, layers, refs, dp, label, failures):
+    """lookup() of a rank with no requests at all (B = 0, T = 0) beside a rank with tokens."""
+    T = 3 if dp == 0 else 0
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(7))
+    args = (ids, qsl_of([T] if T else []), torch.arange(1 if T else 0), torch.zeros(SLOTS, 2, dtype=torch.int64), torch.zeros(1 if T else 0, dtype=torch.bool))
+    got, want = layers[0].lookup(*args), refs[0].lookup(*args)
+    if not torch.equal(got, want):
+        failures.append(f"{label}: lookup with an empty batch on DP rank 1 differs")
+
+
+def _rows_fewer_than_ranks(rank, world, failures):
+    """A 3-row table over an ETP group of 4: rank 3 owns no rows and must still take part."""
+    group = TorchGroup()
+    start, end = owned_rows(3, rank, world)
+    full = torch.randn(3, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    table = PLETable(3, 4, start=start, end=end, quantized=False)
+    table.load_shard(0, full)
+    table.check_loaded()
+    for across in (False, True):
+        n = [2, 1, 3, 0][rank] if across else 3
+        ids = torch.randint(0, 3, (n, 2), generator=torch.Generator().manual_seed(rank if across else 0))
+        got = ETPLookup(table, group, across)(ids)
+        if not torch.equal(got, gather_dequant_reference(ids, full, None, 0)):
+            failures.append(f"rows < ranks, across_dp={across}: rank {rank} lookup differs")
+    return [start, end]
+
+
+def _etp_worker(rank, world, tmp, weights_path):
+    torch.set_num_threads(1)  # 2-4 processes on 2 cores
+    t0 = time.perf_counter()
+    init_process_group("gloo", rank, world, tmp)
+    cfg, sds = tiny_text_config(), torch.load(weights_path)
+    result = {"rank": rank, "failures": [], "cases": {}}
+    failures = result["failures"]
+    refs = _build(cfg, sds, None, False)
+    ref_runs = {dp: _run_steps(cfg, refs, dp, False, None) for dp in range(len(SCHEDULES))}
+    for name, group, across, dp in _topologies(rank, world):
+        counting = CountingGroup(group) if group is not None else None
+        layers = _build(cfg, sds, counting, across)
+        case = result["cases"][name] = {
+            "dp": dp,
+            "rows": [[l.table.start, l.table.end, l.spec.rows] for l in layers],
+            "bytes_per_token": [l.etp.bytes_per_token(l.spec.num_heads) for l in layers],
+            "runs": [],
+        }
+        if counting is not None:  # this rank's share of rows, and tokens that need other ranks' rows
+            for l in layers:
+                if (l.table.start, l.table.end) != owned_rows(l.spec.rows, group.rank_in_group, group.world_size):
+                    failures.append(f"{name}: rank {rank} owns [{l.table.start}, {l.table.end})")
+            x = _step_inputs(cfg, dp, FIRST_PREFILL[dp])
+            rows = ngram_ids(layers[0].spec, x["ids"], x["qsl"], torch.full((len(x["slots"]), 2), EOS))
+            owned = (rows >= layers[0].table.start) & (rows < layers[0].table.end)
+            case["owned_fraction"] = owned.float().mean().item()
+            if bool(owned.all()):
+                failures.append(f"{name}: rank {rank} owns every row its tokens use: the combine is not exercised")
+        for prefetch in (False, True):
+            for mt_mode in MT_MODES:
+                label = f"{name} rank {rank} prefetch={'on' if prefetch else 'off'} max_tokens={mt_mode}"
+                if counting is not None:
+                    counting.reset()
+                try:
+                    got = _run_steps(cfg, layers, dp, prefetch, mt_mode)
+                except Exception:
+                    raise RuntimeError(f"{label} raised:\n{traceback.format_exc()}") from None
+                _compare(got, ref_runs[dp], label, failures)
+                moved = counting.bytes if counting is not None else 0
+                want = sum(_expected_bytes(l, dp, mt_mode) for l in layers)
+                if moved != want:
+                    failures.append(f"{label}: combine moved {moved} B, bytes_per_token predicts {want} B")
+                case["runs"].append({"prefetch": prefetch, "max_tokens": mt_mode, "bytes": moved})
+        if across:
+            _capacity_error_case(cfg, layers, rank, counting, failures)
+            _empty_batch_lookup(cfg, layers, refs, dp, name, failures)
+    if world == 4:
+        result["rows_fewer_than_ranks"] = _rows_fewer_than_ranks(rank, world, failures)
+    dist.barrier()
+    dist.destroy_process_group()
+    result["seconds"] = time.perf_counter() - t0
+    write_result(tmp, rank, result)
+
+
+# ---- test side -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    cfg = tiny_text_config()
+    for i, _ in LAYERS:
+        spec = NgramHashSpec.from_config(cfg, i)
+        assert (spec.num_heads, spec.head_dim) == (HEADS, HEAD_DIM)  # what the hand byte counts assume
+    path = tmp_path_factory.mktemp("etp_weights") / "weights.pt"
+    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in LAYERS], path)
+    return path
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_etp_matches_single_process(world, weights, tmp_path):
+    results = spawn_workers(_etp_worker, world, tmp_path / "run", str(weights))
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:40])
+    for r in results:
+        assert set(r["cases"]) == set(CASES[world]), r["cases"].keys()
+        for name, case in r["cases"].items():
+            assert len(case["runs"]) == 2 * len(MT_MODES)
+            assert case["bytes_per_token"] == [HAND_BYTES_PER_TOKEN[name]] * len(LAYERS), (name, case["bytes_per_token"])
+    # the row ranges of each ETP group tile the table
+    rows = {name: [r["cases"][name]["rows"][0] for r in results] for name in CASES[world]}
+    n = rows[CASES[world][0]][0][2]
+    assert [r[:2] for r in rows.get("tp2", rows.get("tp2xdp2"))] == ([[0, n // 2], [n // 2, n]] * (world // 2))
+    across = rows["dp2_across" if world == 2 else "tp2xdp2_across"]
+    assert [r[:2] for r in across] == [list(owned_rows(n, k, world)) for k in range(world)]
+    if world == 4:
+        assert [r["rows_fewer_than_ranks"] for r in results] == [[0, 1], [1, 2], [2, 3], [3, 3]]
+
+
+class FakeGroup:
+    """Rank `rank` of `world`; any collective is an error (checks that errors come before communication)."""
+
+    def __init__(self, rank, world):
+        self.rank_in_group, self.world_size = rank, world
+
+    def _no(self, *a, **k):
+        raise AssertionError("collective called")
+
+    all_reduce = all_gather = reduce_scatter = _no
+
+
+def test_etp_rejects_a_table_of_another_rank():
+    rows, dim = 10, 4
+    half = PLETable(rows, dim, start=0, end=5, quantized=False)
+    ETPLookup(half, FakeGroup(0, 2))  # the right range
+    with pytest.raises(ValueError, match=r"rows \[0, 5\) but ETP rank 1 of 2 should own \[5, 10\)"):
+        ETPLookup(half, FakeGroup(1, 2))
+    with pytest.raises(ValueError, match=r"should own \[0, 10\)"):
+        ETPLookup(half, None)  # no group: the whole table
+    whole = PLETable(rows, dim, quantized=False)
+    with pytest.raises(ValueError, match=r"should own \[0, 4\)"):
+        ETPLookup(whole, FakeGroup(0, 3), across_dp=True)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 1376])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
+    ranges = [owned_rows(rows, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in rank order
+    sizes = [e - s for s, e in ranges]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 0
+    if world > rows:  # the first `rows` ranks own one row each, the rest an empty range at the end
+        assert ranges == [(r, r + 1) for r in range(rows)] + [(rows, rows)] * (world - rows)
+    # and the shards' lookups (zeros where not owned) add up to the whole table's, exactly
+    full = torch.randn(rows, 3).to(torch.bfloat16)
+    ids = torch.randint(0, max(rows, 1), (6, 2)) if rows else torch.full((6, 2), -1)
+    parts = []
+    for s, e in ranges:
+        t = PLETable(rows, 3, start=s, end=e, quantized=False)
+        t.load_shard(0, full)
+        parts.append(t.lookup(ids))
+    assert torch.equal(torch.stack(parts).sum(0), gather_dequant_reference(ids, full, None, 0))
+
+
+def test_bytes_per_token_hand_computed():
+    """The numbers the multi-process test checks against what its collectives move, and the real scale."""
+    small = {(w, a): ETPLookup(PLETable(64, 8, start=0, end=owned_rows(64, 0, w)[1], quantized=False), FakeGroup(0, w), a) for w in (2, 4) for a in (False, True)}
+    assert small[2, False].bytes_per_token(4) == 64  # all-reduce: 2*(2-1)/2 * 4*8*2 B
+    assert small[2, True].bytes_per_token(4) == 96  # 1 * 4 ids * 8 B + 1 * 64 B
+    assert small[4, False].bytes_per_token(4) == 96  # 2*3/4 * 64 B
+    assert small[4, True].bytes_per_token(4) == 288  # 3*32 + 3*64
+    assert ETPLookup(PLETable(64, 8, quantized=False), None).bytes_per_token(4) == 0
+    # real model: 16 heads x d=128 (4 KiB bf16 per token); TP4 all-reduce, and TP4 x DP2 across DP
+    rows = 1 << 20
+    tp4 = ETPLookup(PLETable(rows, 128, start=0, end=owned_rows(rows, 0, 4)[1], device="meta"), FakeGroup(0, 4))
+    assert tp4.bytes_per_token(16) == 2 * 3 * 4096 // 4 == 6144
+    x8 = ETPLookup(PLETable(rows, 128, start=0, end=owned_rows(rows, 0, 8)[1], device="meta"), FakeGroup(0, 8), True)
+    assert x8.bytes_per_token(16) == 7 * 16 * 8 + 7 * 4096 == 29568
+
+
+def test_capacity_and_max_tokens_errors_come_before_any_collective():
+    cfg = tiny_text_config()
+    layer = PLELayer(cfg, 0, etp_group=FakeGroup(0, 2), across_dp=True, dtype=torch.float32)
+    ws = PrefetchWorkspace([layer], 4, "cpu")
+    state, init = torch.zeros(SLOTS, 2, dtype=torch.int64), torch.tensor([False])
+
+    def start(T, **kw):
+        ws.start(0, torch.randint(0, 97, (T,)), qsl_of([T]), torch.tensor([0]), state, init, **kw)
+
+    with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
+        start(5)  # this rank over capacity
+    with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
+        start(2, max_tokens=5)  # another DP rank over capacity: every rank knows from max_tokens
+    with pytest.raises(ValueError, match="holds 3 tokens, more than max_tokens=2"):
+        layer.lookup(torch.randint(0, 97, (3,)), qsl_of([3]), torch.tensor([0]), state, init, max_tokens=2)
+    solo = PLELayer(cfg, 0, dtype=torch.float32)  # no group: the capacity still holds
+    with pytest.raises(ValueError, match="capacity"):
+        PrefetchWorkspace([solo], 4, "cpu").start(0, torch.zeros(5, dtype=torch.int64), qsl_of([5]), torch.tensor([0]), state, init)
+
+
+@pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="layer.py _short_conv: new_window.view(B, L, -1) cannot infer -1 when B == 0 (a DP rank with no requests)",
+)
+def test_forward_with_no_requests():
+    cfg = tiny_text_config()
+    layer = PLELayer(cfg, 0, dtype=torch.float32)
+    ctx, conv = (torch.zeros(SLOTS, *s) for s in layer.state_shapes())
+    out = layer(
+        torch.zeros(0, cfg.hidden_size * cfg.hc_count), torch.zeros(0, dtype=torch.int64), qsl_of([]),
+        torch.zeros(0, dtype=torch.int64), ctx.long(), conv, torch.zeros(0, dtype=torch.bool),
+    )
+    assert out.shape == (0, cfg.hidden_size * cfg.hc_count)
