@@ -170,6 +170,13 @@ def _capacity_error_case(cfg, layers, rank, counting, failures):
             failures.append(f"rank {rank}: capacity error does not say so: {e}")
     if len(counting.calls) != calls:
         failures.append(f"rank {rank}: capacity error after a collective: {counting.calls[calls:]}")
+    # without max_tokens the ranks exchange counts first, then every rank raises (none is left waiting)
+    try:
+        ws.start(0, ids, qsl_of([T]), torch.tensor([0]), state, torch.tensor([False]))
+        failures.append(f"rank {rank}: start() without max_tokens did not raise although rank 0 is over capacity")
+    except ValueError as e:
+        if "capacity" not in str(e):
+            failures.append(f"rank {rank}: capacity error does not say so: {e}")
 
 
 def _empty_batch_lookup(cfg, layers, refs, dp, label, failures):
@@ -357,7 +364,7 @@ def test_capacity_and_max_tokens_errors_come_before_any_collective():
         ws.start(0, torch.randint(0, 97, (T,)), qsl_of([T]), torch.tensor([0]), state, init, **kw)
 
     with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
-        start(5)  # this rank over capacity
+        start(5, max_tokens=5)  # this rank over capacity
     with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
         start(2, max_tokens=5)  # another DP rank over capacity: every rank knows from max_tokens
     with pytest.raises(ValueError, match="holds 3 tokens, more than max_tokens=2"):
@@ -367,10 +374,6 @@ def test_capacity_and_max_tokens_errors_come_before_any_collective():
         PrefetchWorkspace([solo], 4, "cpu").start(0, torch.zeros(5, dtype=torch.int64), qsl_of([5]), torch.tensor([0]), state, init)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="layer.py _short_conv: new_window.view(B, L, -1) cannot infer -1 when B == 0 (a DP rank with no requests)",
-)
 def test_forward_with_no_requests():
     cfg = tiny_text_config()
     layer = PLELayer(cfg, 0, dtype=torch.float32)

@@ -90,6 +90,12 @@ class ETPLookup:
             return 2 * (world - 1) * emb // world  # all-reduce
         return (world - 1) * num_heads * 8 + (world - 1) * emb  # gather ids, reduce-scatter rows
 
+    def step_max_tokens(self, tokens: int, device) -> int:
+        """Most tokens any rank of the group holds this step (a count exchange and a host sync)."""
+        if self.group is None or self.group.world_size == 1:
+            return tokens
+        return int(self.group.all_gather(torch.tensor([tokens], device=device), dim=0).max())
+
     def __call__(self, ids: torch.Tensor, out: torch.Tensor | None = None, max_tokens: int | None = None) -> torch.Tensor:
         """[T, H] row ids of this rank's tokens -> [T, H*d] bf16. `max_tokens` = most tokens any rank
         holds this step (across DP only; every rank must pass the same value, e.g. vLLM's padded DP size);
@@ -102,8 +108,7 @@ class ETPLookup:
             return summed if out is None or summed is out else out.copy_(summed)
         T = ids.shape[0]
         if max_tokens is None:
-            counts = g.all_gather(torch.tensor([T], device=ids.device), dim=0)
-            max_tokens = int(counts.max())
+            max_tokens = self.step_max_tokens(T, ids.device)
         if T > max_tokens:
             raise ValueError(f"this rank holds {T} tokens, more than max_tokens={max_tokens}.")
         padded = torch.full((max_tokens, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)

@@ -156,17 +156,18 @@ class PLELayer(nn.Module):
         reqs = torch.arange(B, device=x.device)[:, None].expand(B, L)
         j = (qsl[1:] - qsl[:-1])[:, None] + torch.arange(-L, 0, device=x.device)
         new_window = history(reqs.reshape(-1), j.reshape(-1), (qsl[1:, None] - L + torch.arange(L, device=x.device)).reshape(-1))
-        write_state(conv_state, slot_ids, new_window.view(B, L, -1))
+        write_state(conv_state, slot_ids, new_window.view(B, L, x.shape[1]))
         return F.silu(acc)
 
     def forward(
         self, hidden_states, input_ids, query_start_loc, slot_ids, ngram_state, conv_state, has_initial_state,
-        embeddings: torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None, max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """[T, hc*hidden] streams -> [T, hc*hidden] PLE output. `embeddings` = a prefetched `lookup`."""
+        """[T, hc*hidden] streams -> [T, hc*hidden] PLE output. `embeddings` = a prefetched `lookup`;
+        `max_tokens` = most tokens on any ETP rank (across DP; avoids a count exchange)."""
         self.check_inputs(hidden_states, input_ids, query_start_loc, slot_ids, ngram_state, conv_state, has_initial_state)
         if embeddings is None:
-            embeddings = self.lookup(input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state)
+            embeddings = self.lookup(input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state, max_tokens=max_tokens)
         ctx = self._request_context(slot_ids, ngram_state, has_initial_state)
         write_state(ngram_state, slot_ids, next_ngram_context(self.spec, input_ids, query_start_loc, ctx))
 

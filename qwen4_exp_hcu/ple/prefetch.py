@@ -27,9 +27,12 @@ class PrefetchWorkspace:
         self._tokens: dict[int, int] = {}
 
     def start(self, i: int, input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state, max_tokens=None) -> None:
-        """Launch layer i's hash + lookup + ETP combine. `max_tokens`: the most tokens any ETP rank holds."""
-        T = input_ids.shape[0]
-        need = max(T, max_tokens or 0) if self.layers[i].etp.across_dp else T
+        """Launch layer i's hash + lookup + ETP combine. `max_tokens`: the most tokens any ETP rank holds
+        (across DP; exchanged here when not given, so every rank sees the same capacity error)."""
+        T, etp = input_ids.shape[0], self.layers[i].etp
+        if etp.across_dp and max_tokens is None:
+            max_tokens = etp.step_max_tokens(T, input_ids.device)
+        need = max(T, max_tokens) if etp.across_dp else T
         if need > self.max_tokens:
             raise ValueError(
                 f"PLE prefetch: {need} tokens exceed the workspace capacity max_tokens={self.max_tokens} "
