@@ -1,0 +1,41 @@
+"""Build PLE layers straight from a transformers-format checkpoint directory (notebooks, benchmarks).
+
+Tensors are read one at a time with safetensors (no pickle), so PLE shards stream into the table's
+final storage; BF16 and INT8 (compressed-tensors) checkpoints alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from qwen4_exp_hcu.ple.int8 import ple_int8_scheme
+from qwen4_exp_hcu.ple.layer import PLELayer
+
+
+def text_config_of(checkpoint: str | Path):
+    cfg = AutoConfig.from_pretrained(checkpoint)
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
+    """The PLE layer of 1-indexed decoder layer `layer_id` (as in `ple_layer_ids`); `kw` go to PLELayer
+    (device, host_table, etp_group, across_dp, dtype). INT8 storage follows the checkpoint's scheme."""
+    checkpoint = Path(checkpoint)
+    cfg = text_config_of(checkpoint)
+    if layer_id not in cfg.ple_layer_ids:
+        raise ValueError(f"decoder layer {layer_id} has no PLE (ple_layer_ids={cfg.ple_layer_ids}).")
+    raw = json.loads((checkpoint / "config.json").read_text())
+    quantized = ple_int8_scheme(raw.get("quantization_config"))
+    layer = PLELayer(cfg, cfg.ple_layer_ids.index(layer_id), quantized=kw.pop("quantized", quantized), **kw)
+    prefix = f"model.layers.{layer_id - 1}.ple."
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    layer.load_weight(name[len(prefix) :], f.get_tensor(name), prefix)
+    layer.finish_loading(prefix)
+    return layer
