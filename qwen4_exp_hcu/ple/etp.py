@@ -67,6 +67,17 @@ def owned_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+def combine_bytes_per_token(world: int, across_dp: bool, num_heads: int, dim: int) -> int:
+    """Bytes each rank sends/receives per token through the combine (ring-algorithm volume): an
+    all-reduce of bf16 rows within TP; across DP, an all-gather of int64 ids and a reduce-scatter of rows."""
+    if world == 1:
+        return 0
+    emb = num_heads * dim * 2
+    if not across_dp:
+        return 2 * (world - 1) * emb // world
+    return (world - 1) * num_heads * 8 + (world - 1) * emb
+
+
 class ETPLookup:
     """Lookup of a table sharded over `group`; `across_dp` when the ranks hold different tokens."""
 
@@ -81,14 +92,8 @@ class ETPLookup:
             )
 
     def bytes_per_token(self, num_heads: int) -> int:
-        """Bytes each rank sends/receives per token through the combine (ring-algorithm volume)."""
         world = self.group.world_size if self.group is not None else 1
-        if world == 1:
-            return 0
-        emb = num_heads * self.table.dim * 2
-        if not self.across_dp:
-            return 2 * (world - 1) * emb // world  # all-reduce
-        return (world - 1) * num_heads * 8 + (world - 1) * emb  # gather ids, reduce-scatter rows
+        return combine_bytes_per_token(world, self.across_dp, num_heads, self.table.dim)
 
     def step_max_tokens(self, tokens: int, device) -> int:
         """Most tokens any rank of the group holds this step (a count exchange and a host sync)."""

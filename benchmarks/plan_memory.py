@@ -1,0 +1,75 @@
+"""Per-rank PLE memory and per-step traffic for a config and a TP x DP layout (no GPU needed).
+
+    python benchmarks/plan_memory.py [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
+
+Without --config the transformers defaults are used (vocab 248 320, hidden 2048, N=3, 8 heads per order,
+base 20 M rows per head) with `--num-ple-layers` PLE layers. For every TP in 1..8 and DP in 1..8 it
+reports, per rank: table bytes (BF16 vs INT8+scale) on the GPU or in host memory, and per step with
+`--tokens` tokens per DP rank: host->GPU (PCIe) bytes of the offloaded lookup and ETP combine bytes,
+with and without `embedding_across_dp`. Writes benchmarks/results/plan_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from qwen4_exp_hcu.ple.etp import combine_bytes_per_token, owned_rows
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+
+
+def load_config(path: str | None, num_ple_layers: int):
+    from transformers import AutoConfig, Qwen4ExpTextConfig
+
+    if path:
+        cfg = AutoConfig.from_pretrained(path)
+        return getattr(cfg, "text_config", None) or cfg
+    layers = list(range(1, 4 * num_ple_layers, 4))  # 1-indexed linear-attention layers
+    return Qwen4ExpTextConfig(ple_layer_ids=layers, eos_token_id=248_044)
+
+
+def plan(cfg, tokens: int) -> list[dict]:
+    specs = [NgramHashSpec.from_config(cfg, i) for i in range(len(cfg.ple_layer_ids))]
+    heads, dim = specs[0].num_heads, specs[0].head_dim
+    rows = [s.rows for s in specs]
+    out = []
+    for tp in range(1, 9):
+        for dp in range(1, 9):
+            for across in (False, True) if dp > 1 else (False,):
+                world = tp * dp if across else tp
+                owned = sum(owned_rows(r, 0, world)[1] for r in rows)  # rank 0 owns the most
+                row = {
+                    "tp": tp, "dp": dp, "embedding_across_dp": across, "etp_world": world,
+                    "bf16_table_bytes_per_rank": owned * dim * 2,
+                    "int8_table_bytes_per_rank": owned * (dim + 2),
+                    # ids an ETP rank looks up per step: its DP replica's tokens, or every replica's
+                    "pcie_bytes_per_step_int8": round(len(rows) * tokens * heads * (dim + 2) * (dp if across else 1) / world),
+                    "etp_bytes_per_step": len(rows) * tokens * combine_bytes_per_token(world, across, heads, dim),
+                }
+                out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config")
+    ap.add_argument("--num-ple-layers", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per DP rank per step")
+    ap.add_argument("--out", default="benchmarks/results/plan_memory.json")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.num_ple_layers)
+    rows = plan(cfg, args.tokens)
+    gib = 2**30
+    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12}")
+    for r in rows:
+        if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2, 4, 8):
+            print(f"{r['tp']:>2} {r['dp']:>2} {'y' if r['embedding_across_dp'] else 'n':>3} | "
+                  f"{r['bf16_table_bytes_per_rank'] / gib:9.2f} {r['int8_table_bytes_per_rank'] / gib:9.2f} | "
+                  f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "plans": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
