@@ -182,3 +182,13 @@ def test_gpu_hot_row_cache_changes_nothing_but_speed():
     served = t.cache_hot_rows(ids[:256], max_rows=1000)
     assert 0 < served <= 1 and t.cache[1].shape == (1000, 128)
     assert torch.equal(t.lookup(ids), plain)
+
+
+@pytest.mark.gpu
+def test_gpu_host_table_is_exactly_its_size_and_released():
+    for _ in range(3):  # re-registering freed memory would fail if a table were not unregistered
+        t = PLETable(1_000_003, 128, quantized=True, device="cuda", host=True)
+        assert t.weight.is_pinned() and t.scale.is_pinned()
+        assert t.weight.untyped_storage().nbytes() == 1_000_003 * 128
+        assert t.nbytes == 1_000_003 * 130
+        del t

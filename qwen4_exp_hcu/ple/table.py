@@ -7,9 +7,28 @@ into the final storage: no full-table temporary and no trip through the accelera
 
 from __future__ import annotations
 
+import math
+import weakref
+
+import numpy as np
 import torch
 
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+
+
+def _pinned_empty(shape, dtype) -> torch.Tensor:
+    """Host memory of exactly the table's size, page-locked and mapped for the accelerator (UVA).
+    torch's pinned allocator rounds every block up to a power of two (a 12 GB table would take 16 GB),
+    so the table registers an ordinary allocation instead, and unregisters it before it is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+    ptr = buf.ctypes.data
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, buf.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"registering {buf.nbytes} bytes of PLE table as pinned host memory failed ({err}).")
+    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)  # runs before numpy frees the buffer
+    return torch.from_numpy(buf)[:nbytes].view(dtype).view(shape)
 
 
 def gather_dequant_reference(ids, weight, scale, start: int) -> torch.Tensor:
@@ -56,10 +75,15 @@ class PLETable:
         pin = host and torch.cuda.is_available()
         if host and self.compute_device.type != "cpu" and not pin:
             raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
-        where = torch.device("cpu") if host else self.compute_device
         n = end - start
-        self.weight = torch.empty(n, dim, dtype=torch.int8 if quantized else torch.bfloat16, device=where, pin_memory=pin)
-        self.scale = torch.empty(n, 1, dtype=torch.bfloat16, device=where, pin_memory=pin) if quantized else None
+        wdtype = torch.int8 if quantized else torch.bfloat16
+        if pin:
+            self.weight = _pinned_empty((n, dim), wdtype)
+            self.scale = _pinned_empty((n, 1), torch.bfloat16) if quantized else None
+        else:
+            where = torch.device("cpu") if host else self.compute_device
+            self.weight = torch.empty(n, dim, dtype=wdtype, device=where)
+            self.scale = torch.empty(n, 1, dtype=torch.bfloat16, device=where) if quantized else None
         self._loaded: set[int] = set()
         self.cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
