@@ -5,6 +5,9 @@
 writes: sharded PLE tables, per-expert MoE weights) plus an offline word-level tokenizer. Weights are drawn
 with a fixed seed at a scale where greedy decoding is not degenerate (distinct prompts → distinct tokens);
 the PLE conv is made non-zero (transformers initialises it to zero) so its state is exercised.
+`--int8` also runs the quantizer (`qwen4_exp_hcu.quantize`): BF16 at `DST-bf16`, INT8 PLE tables at DST.
+
+`reference_greedy` and `dequantized_checkpoint` give the transformers oracle the vLLM tests compare with.
 """
 
 from __future__ import annotations
@@ -120,6 +123,66 @@ def make_tiny_checkpoint(
     return dst
 
 
+def make_tiny_int8_checkpoint(dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, seed: int = 0, **overrides) -> Path:
+    """BF16 checkpoint at `DST-bf16`, then the quantizer's INT8-PLE copy at `dst`; returns `dst`."""
+    from qwen4_exp_hcu.quantize import quantize_checkpoint
+
+    dst = Path(dst)
+    bf16 = make_tiny_checkpoint(dst.with_name(f"{dst.name}-bf16"), config_path, seed, **overrides)
+    quantize_checkpoint(bf16, dst)
+    return dst
+
+
+def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Copy of an INT8-PLE checkpoint with every table shard dequantized to BF16 (`int8 * scale`, the
+    row format's reference) and no quantization config: what transformers runs as the INT8 oracle."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.ple.int8 import SCALE_SUFFIX, dequantize_rows
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            with safe_open(f, "pt") as st:
+                tensors = {k: st.get_tensor(k) for k in st.keys()}
+            for name in [k for k in tensors if k.endswith(f".{SCALE_SUFFIX}")]:
+                weight = name.removesuffix(SCALE_SUFFIX) + "weight"
+                tensors[weight] = dequantize_rows(tensors[weight], tensors.pop(name))
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            config = json.loads(f.read_text())
+            config.pop("quantization_config")
+            (dst / f.name).write_text(json.dumps(config, indent=2))
+        elif f.is_file():
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+@torch.no_grad()
+def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle).
+
+    Every step re-runs the whole sequence without a cache and never stops or masks at EOS (like vLLM's
+    `ignore_eos`). Returns per prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    results = []
+    for prompt in prompts:
+        seq, rows = list(prompt), []
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+            rows.append(logits.log_softmax(-1))
+            seq.append(int(logits.argmax()))
+        results.append({"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)})
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output directory (the INT8 checkpoint when --int8 is given)")
@@ -127,15 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--int8", action="store_true", help="quantize the PLE tables (writes DST-bf16 first)")
     args = parser.parse_args(argv)
-
-    if not args.int8:
-        print(make_tiny_checkpoint(args.dst, args.config, args.seed))
-        return
-    from qwen4_exp_hcu.quantize import quantize_checkpoint
-
-    bf16 = make_tiny_checkpoint(f"{args.dst.rstrip('/')}-bf16", args.config, args.seed)
-    quantize_checkpoint(bf16, args.dst)
-    print(args.dst)
+    make = make_tiny_int8_checkpoint if args.int8 else make_tiny_checkpoint
+    print(make(args.dst, args.config, args.seed))
 
 
 if __name__ == "__main__":

