@@ -38,7 +38,16 @@ from .attention import (
     load_qsa_attention_cls,
 )
 from .hyper_connection import GatedResidual, inject
-from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, PLEPlacement, ple_mamba_spec
+from .ple import (
+    FORWARD_OP,
+    PLE_MAMBA_TYPE,
+    PLE_STATE_COPY_FUNCS,
+    PREFETCH_OP,
+    PLEBlock,
+    PLEPlacement,
+    ple_mamba_spec,
+    prefetch_enabled,
+)
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -152,14 +161,16 @@ class Qwen4ExpModel(nn.Module):
             block = PLEBlock(vllm_config, p, placement, prefix=f"{prefix}.layers.{i}.ple")
             self.layers[i].ple = block
             self.ple_blocks.append(block)
-            self.prefetch_before[max(i - 1, 0)].append(block)
-        self.ple_workspace = PrefetchWorkspace(
-            [b.layer for b in self.ple_blocks],
-            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-            device=placement.device,
-        )
-        for p, block in enumerate(self.ple_blocks):
-            block.workspace, block.workspace_index = self.ple_workspace, p
+        if prefetch_enabled():
+            workspace = PrefetchWorkspace(
+                [b.layer for b in self.ple_blocks],
+                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                device=placement.device,
+            )
+            for p, block in enumerate(self.ple_blocks):
+                block.workspace, block.workspace_index = workspace, p
+                layer_idx = self.config.ple_layer_ids[p] - 1
+                self.prefetch_before[max(layer_idx - 1, 0)].append(block)
         splitting_ops = vllm_config.compilation_config.splitting_ops
         if splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
             splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)

@@ -14,6 +14,8 @@ context through two custom ops (opaque to torch.compile, listed as splitting ops
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -25,6 +27,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
+PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 OP_NAMESPACE = "qwen4_exp_hcu"
 FORWARD_OP = f"{OP_NAMESPACE}::ple_forward"
 PREFETCH_OP = f"{OP_NAMESPACE}::ple_prefetch"
@@ -32,6 +35,11 @@ PLE_MAMBA_TYPE = MambaAttentionBackendEnum.SHORT_CONV
 
 
 # ---- configuration ------------------------------------------------------------------------------------
+def prefetch_enabled() -> bool:
+    """`QWEN4_EXP_HCU_PREFETCH=0` runs each lookup inside its own PLE layer instead of one layer early."""
+    return os.environ.get(PREFETCH_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def ple_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(n-gram context, short-conv window) per request: what `PLELayer.state_shapes()` returns."""
     window = (config.ple_conv_kernel_size - 1) * config.ngram_size
@@ -163,9 +171,9 @@ class PLEBlock(nn.Module, MambaBase):
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(streams)
-        torch.ops.qwen4_exp_hcu.ple_forward(
-            streams, input_ids, self.workspace.buffers[self.workspace_index], out, self.prefix
-        )
+        # Without a workspace the op still takes a tensor there; the streams stand in (read only).
+        buffer = streams if self.workspace is None else self.workspace.buffers[self.workspace_index]
+        torch.ops.qwen4_exp_hcu.ple_forward(streams, input_ids, buffer, out, self.prefix)
         return out
 
     def _batch(self, device: torch.device):
@@ -191,40 +199,51 @@ class PLEBlock(nn.Module, MambaBase):
             return None
         return torch.cat(qsl), torch.cat(slots), torch.cat(initial)
 
-    def _dummy_batch(self, num_tokens: int, device: torch.device):
-        """One padding request holding every token: lets across-DP ranks join the collective lookup."""
-        qsl = torch.tensor([0, num_tokens], dtype=torch.int64, device=device)
+    def _lookup_args(self, input_ids: torch.Tensor):
+        """(query_start_loc, slot_ids, has_initial_state, ngram_state, real) for this step's lookup.
+
+        In vLLM's dummy/profile runs there is no request state; only across-DP ETP still looks up (one
+        padding request holding every token), because the other DP ranks' lookups need this rank's
+        collectives. None when there is nothing to do.
+        """
+        device = input_ids.device
+        batch = self._batch(device)
+        if batch is not None:
+            return (*batch, self.kv_cache[0], True)
+        if not self.layer.etp.across_dp:
+            return None
+        qsl = torch.tensor([0, input_ids.shape[0]], dtype=torch.int64, device=device)
         slots = torch.full((1,), -1, dtype=torch.int64, device=device)
-        state = torch.full((1, self.layer.spec.context_len), self.layer.spec.eos_token_id, device=device)
-        return qsl, slots, torch.zeros(1, dtype=torch.bool, device=device), state
+        ngram_state = torch.full((1, self.layer.spec.context_len), self.layer.spec.eos_token_id, device=device)
+        return qsl, slots, torch.zeros(1, dtype=torch.bool, device=device), ngram_state, False
 
     def _max_tokens(self) -> int | None:
+        """The most tokens any DP rank holds this step (what across-DP lookups must agree on)."""
         dp = get_forward_context().dp_metadata
         return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
 
     def run_prefetch(self, input_ids: torch.Tensor) -> None:
-        batch = self._batch(input_ids.device)
-        if batch is not None:
-            qsl, slots, initial = batch
-            ngram_state = self.kv_cache[0]
-        elif self.layer.etp.across_dp:
-            qsl, slots, initial, ngram_state = self._dummy_batch(input_ids.shape[0], input_ids.device)
-        else:
-            return
-        self.workspace.start(
-            self.workspace_index, input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens()
-        )
+        args = self._lookup_args(input_ids)
+        if args is not None:
+            qsl, slots, initial, ngram_state, _ = args
+            self.workspace.start(
+                self.workspace_index, input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens()
+            )
 
     def run_forward(self, streams: torch.Tensor, input_ids: torch.Tensor, out: torch.Tensor) -> None:
-        batch = self._batch(input_ids.device)
-        if batch is None:
-            if self.layer.etp.across_dp:
-                self.workspace.wait(self.workspace_index)
-            out.zero_()  # profile/dummy run: no request state to read or write
+        args = self._lookup_args(input_ids)
+        if args is None:
+            out.zero_()
             return
-        qsl, slots, initial = batch
-        embeddings = self.workspace.wait(self.workspace_index)
-        ngram_state, conv_state = self.kv_cache
+        qsl, slots, initial, ngram_state, real = args
+        if self.workspace is not None:
+            embeddings = self.workspace.wait(self.workspace_index)
+        else:
+            embeddings = self.layer.lookup(input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens())
+        if not real:
+            out.zero_()
+            return
+        conv_state = self.kv_cache[1]
         out.copy_(self.layer(streams, input_ids, qsl, slots, ngram_state, conv_state, initial, embeddings=embeddings))
 
     # ---- weights -----------------------------------------------------------------------------------
