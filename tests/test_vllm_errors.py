@@ -1,0 +1,192 @@
+"""Clear startup errors of the vLLM model class, and the plugin's registration switches.
+
+Everything here builds vLLM's config and our model in this process (world size 1, gloo) and feeds
+`load_weights` a doctored checkpoint: the errors are the ones `vllm serve` reports at startup, without
+paying for an engine start per case.
+"""
+
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen4_exp_hcu.tiny import make_tiny_checkpoint, make_tiny_int8_checkpoint
+
+pytestmark = pytest.mark.vllm
+
+PLE0 = "model.layers.0.ple."
+SHARD = PLE0 + "ple_embedding.ngram_embedding.shard_{}.weight"
+SCALE = PLE0 + "ple_embedding.ngram_embedding.shard_{}.weight_scale"
+
+
+@pytest.fixture(scope="module")
+def vllm_process():
+    """One single-rank distributed environment for the module; torn down so later engines start clean."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import cleanup_dist_env_and_memory, ensure_model_parallel_initialized
+    from vllm.distributed import init_distributed_environment
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo"
+        )
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    cleanup_dist_env_and_memory()
+
+
+def engine_config(path, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs.setdefault("max_model_len", 256)
+    return EngineArgs(model=str(path), max_num_batched_tokens=64, max_num_seqs=4, **kwargs).create_engine_config()
+
+
+def build_model(path, **kwargs):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = engine_config(path, **kwargs)
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+        return initialize_model(vllm_config=config, model_config=config.model_config), config
+
+
+def load(path, edit=None):
+    """Build the model and load the checkpoint after `edit(weights)` changed it in memory."""
+    from vllm.config import set_current_vllm_config
+
+    model, config = build_model(path)
+    weights = load_file(path / "model.safetensors")
+    if edit is not None:
+        edit(weights)
+    with set_current_vllm_config(config):
+        model.load_weights(iter(weights.items()))
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_path(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("err") / "bf16")
+
+
+@pytest.fixture(scope="module")
+def int8_path(tmp_path_factory):
+    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("err") / "int8")
+
+
+def test_intact_checkpoints_load(vllm_process, bf16_path, int8_path):
+    assert {t["dtype"] for t in load(bf16_path).ple_storage()} == {"bfloat16"}
+    assert {t["dtype"] for t in load(int8_path).ple_storage()} == {"int8"}
+
+
+def _drop(name):
+    return lambda w: w.pop(name)
+
+
+def _reshape(name, rows):
+    return lambda w: w.__setitem__(name, w[name][:rows])
+
+
+def _set(name, fn):
+    return lambda w: w.__setitem__(name, fn(w[name]))
+
+
+def _inf_first(t):
+    t = t.clone()
+    t[0] = float("inf")
+    return t
+
+
+BF16_CASES = {
+    "missing shard": (_drop(SHARD.format(2)), r"shard.*2.*(missing|never loaded)"),
+    "shard shape": (_reshape(SHARD.format(1), 1000), r"shard_1.*shape"),
+    "hash buffer": (_set(PLE0 + "ple_embedding.layer_multipliers", lambda t: t + 2), r"layer_multipliers.*disagrees"),
+}
+INT8_CASES = {
+    "missing scale": (_drop(SCALE.format(0)), r"shard_0.*weight_scale.*missing"),
+    "scale dtype": (_set(SCALE.format(3), lambda t: t.float()), r"shard_3.*scale dtype"),
+    "scale shape": (_set(SCALE.format(3), lambda t: t.flatten()), r"shard_3.*scale shape"),
+    "scale not finite": (_set(SCALE.format(2), _inf_first), r"shard_2.*non-finite"),
+}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_checkpoint_errors(vllm_process, bf16_path, case):
+    edit, message = BF16_CASES[case]
+    with pytest.raises(ValueError, match=message):
+        load(bf16_path, edit)
+
+
+@pytest.mark.parametrize("case", INT8_CASES)
+def test_int8_checkpoint_errors(vllm_process, int8_path, case):
+    edit, message = INT8_CASES[case]
+    with pytest.raises(ValueError, match=message):
+        load(int8_path, edit)
+
+
+def test_cpu_rejects_context_beyond_the_qsa_budget(vllm_process, bf16_path):
+    with pytest.raises(ValueError, match=r"max_model_len=128 > indexer_budget=64"):
+        build_model(bf16_path, max_model_len=128, hf_overrides={"indexer_budget": 64})
+    build_model(bf16_path, max_model_len=64, hf_overrides={"indexer_budget": 64})  # within budget: fine
+
+
+@pytest.mark.parametrize("architecture", [None, "Qwen4ExpHcuForCausalLM"])
+def test_pipeline_parallel_is_rejected(vllm_process, bf16_path, architecture):
+    overrides = {"architectures": [architecture]} if architecture else {}
+    with pytest.raises(NotImplementedError, match=r"(?i)pipeline"):
+        engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides=overrides)
+
+
+def test_cpu_offload_needs_uva():
+    from qwen4_exp_hcu.model.ple import check_uva
+
+    with pytest.raises(ValueError, match=r"--engram-config.cpu_offload=True.*UVA.*cpu_offload=False"):
+        check_uva(True, torch.device("cuda", 0), uva_available=False, platform="xpu")
+    check_uva(False, torch.device("cuda", 0), uva_available=False, platform="xpu")  # tables on the device
+    check_uva(True, torch.device("cuda", 0), uva_available=True, platform="cuda")
+    check_uva(True, torch.device("cpu"), uva_available=False, platform="cpu")  # host memory is the device
+
+
+def test_int8_quantization_is_claimed_only_for_ple_tables(int8_path):
+    import json
+    from types import SimpleNamespace
+
+    from qwen4_exp_hcu.model.quant import claims
+
+    qconfig = json.loads((int8_path / "config.json").read_text())["quantization_config"]
+    ours = SimpleNamespace(architectures=["Qwen4ExpForCausalLM"])
+    assert claims(qconfig, ours)
+    assert not claims(qconfig, SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    other = json.loads(json.dumps(qconfig))
+    other["config_groups"]["ple_int8"]["targets"].append("Linear")
+    assert not claims(other, ours)
+    bad = json.loads(json.dumps(qconfig))
+    bad["config_groups"]["ple_int8"]["weights"]["num_bits"] = 4
+    with pytest.raises(ValueError, match="num_bits"):
+        claims(bad, ours)
+
+
+def _registered(env: dict[str, str]) -> str:
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins();"
+        "from vllm import ModelRegistry;"
+        "print({a: ModelRegistry.models[a].module_name for a in ('Qwen4ExpForCausalLM', 'Qwen4ExpHcuForCausalLM')})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_plugin_registration_and_disable_switch(monkeypatch):
+    import os
+
+    enabled = _registered({**os.environ, "QWEN4_EXP_HCU_DISABLE": ""})
+    disabled = _registered({**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"})
+    assert enabled == str({"Qwen4ExpForCausalLM": "qwen4_exp_hcu.model.model", "Qwen4ExpHcuForCausalLM": "qwen4_exp_hcu.model.model"})
+    assert "'Qwen4ExpForCausalLM': 'vllm." in disabled
+    assert "'Qwen4ExpHcuForCausalLM': 'qwen4_exp_hcu.model.model'" in disabled
