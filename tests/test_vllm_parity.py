@@ -50,7 +50,7 @@ def start_engine(path, **kwargs):
     return LLM(
         model=str(path),
         dtype="bfloat16",
-        max_model_len=256,
+        max_model_len=512,  # = the tiny config's indexer_budget: the most dense attention may serve
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=4,
         gpu_memory_utilization=0.5,
@@ -65,11 +65,12 @@ def stop_engine(llm) -> None:
     gc.collect()
 
 
-def generate(llm, prompts):
+def generate(llm, prompts, max_tokens=MAX_NEW_TOKENS, full=False):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=5)
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outputs if full else [o.outputs[0] for o in outputs]
 
 
 def assert_matches_reference(outputs, reference) -> None:
@@ -120,6 +121,17 @@ def test_distinct_prompts_give_distinct_continuations(bf16_reference):
     assert len({tuple(r["tokens"]) for r in bf16_reference}) == len(PROMPTS)
 
 
+def test_prefix_cache_hit_restores_ple_state(bf16_checkpoint, bf16_llm):
+    """A prompt longer than one cache block, twice: the second run starts from the cached block's
+    GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions)."""
+    prompt = torch.randint(3, 512, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt[200] = EOS
+    reference = reference_greedy(bf16_checkpoint, [prompt], 8)
+    first, second = (generate(bf16_llm, [prompt], max_tokens=8, full=True)[0] for _ in range(2))
+    assert second.num_cached_tokens > 0 and (first.num_cached_tokens or 0) < second.num_cached_tokens
+    assert_matches_reference([first.outputs[0], second.outputs[0]], reference * 2)
+
+
 def test_ple_tables_stay_where_loaded(bf16_llm):
     """vLLM's post-load processing must not move, copy or unpin the (host-offloaded) PLE tables."""
     report = bf16_llm.apply_model(ple_storage_report)[0]
@@ -141,12 +153,14 @@ def int8_checkpoint(tmp_path_factory):
 def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_checkpoint, tmp_path, monkeypatch):
     """The quantizer's INT8 checkpoint in vLLM == transformers running the dequantized tables.
 
-    Served under the alias architecture, which vLLM does not run with breakable CUDA graphs, so the
-    model goes through torch.compile (Dynamo traces it once; `VLLM_CPU_CI_ENV=1` makes the backend
-    eager instead of an Inductor build that takes ~50 s here).
+    Served under the alias architecture with breakable CUDA graphs off (vLLM turns them on, process-wide,
+    for `Qwen4ExpForCausalLM`, and they disable torch.compile), so the model goes through torch.compile:
+    Dynamo traces it once; `VLLM_CPU_CI_ENV=1` makes the backend eager instead of an Inductor build that
+    takes ~50 s here.
     """
     reference = reference_greedy(dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized"), PROMPTS, MAX_NEW_TOKENS)
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
     llm = start_engine(int8_checkpoint, hf_overrides={"architectures": ["Qwen4ExpHcuForCausalLM"]})
     try:
         compilation = llm.llm_engine.vllm_config.compilation_config

@@ -34,13 +34,14 @@ def check_dense_attention_allowed(config, max_model_len: int, platform_name: str
 
 def load_qsa_attention_cls():
     """vLLM's own Qwen4Exp QSA attention for this accelerator (imported, never copied)."""
+    import importlib
+
     from vllm.platforms import current_platform
 
-    if current_platform.is_rocm():
-        from vllm.models.qwen4_exp.amd.qsa import Qwen4ExpQSAAttention
-    else:
-        from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAAttention
-    return Qwen4ExpQSAAttention
+    package = f"vllm.models.qwen4_exp.{'amd' if current_platform.is_rocm() else 'nvidia'}"
+    # In vLLM 0.33 `qsa` and `model` import each other; entering through `model` resolves the cycle.
+    importlib.import_module(f"{package}.model")
+    return importlib.import_module(f"{package}.qsa").Qwen4ExpQSAAttention
 
 
 class DenseGatedAttention(nn.Module):

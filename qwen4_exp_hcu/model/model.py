@@ -22,14 +22,14 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
 )
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from .attention import (
     DenseGatedAttention,
@@ -215,6 +215,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.ple_storage_at_load: list[dict] = []  # filled by load_weights
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -281,7 +282,10 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types: set[MambaAttentionBackendEnum]):
-        funcs = {MambaAttentionBackendEnum.GDN_ATTN: cls.get_mamba_state_copy_func(), PLE_MAMBA_TYPE: PLE_STATE_COPY_FUNCS}
+        funcs = {
+            MambaAttentionBackendEnum.GDN_ATTN: cls.get_mamba_state_copy_func(),
+            PLE_MAMBA_TYPE: PLE_STATE_COPY_FUNCS,
+        }
         return {t: funcs[t] for t in mamba_types}
 
     @classmethod
