@@ -5,6 +5,7 @@ Everything here builds vLLM's config and our model in this process (world size 1
 paying for an engine start per case.
 """
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -172,21 +173,22 @@ def test_int8_quantization_is_claimed_only_for_ple_tables(int8_path):
         claims(bad, ours)
 
 
-def _registered(env: dict[str, str]) -> str:
+def _registered() -> dict[str, str]:
+    from vllm import ModelRegistry
+
+    return {a: ModelRegistry.models[a].module_name for a in ("Qwen4ExpForCausalLM", "Qwen4ExpHcuForCausalLM")}
+
+
+def test_plugin_registration_and_disable_switch(vllm_process):
+    ours = "qwen4_exp_hcu.model.model"
+    assert _registered() == {"Qwen4ExpForCausalLM": ours, "Qwen4ExpHcuForCausalLM": ours}
+    # A fresh process with the switch on keeps vLLM's own class; the alias stays ours.
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins();"
-        "from vllm import ModelRegistry;"
-        "print({a: ModelRegistry.models[a].module_name for a in ('Qwen4ExpForCausalLM', 'Qwen4ExpHcuForCausalLM')})"
+        "from vllm import ModelRegistry as R;"
+        "print(R.models['Qwen4ExpForCausalLM'].module_name, R.models['Qwen4ExpHcuForCausalLM'].module_name)"
     )
+    env = {**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
-def test_plugin_registration_and_disable_switch(monkeypatch):
-    import os
-
-    enabled = _registered({**os.environ, "QWEN4_EXP_HCU_DISABLE": ""})
-    disabled = _registered({**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"})
-    assert enabled == str({"Qwen4ExpForCausalLM": "qwen4_exp_hcu.model.model", "Qwen4ExpHcuForCausalLM": "qwen4_exp_hcu.model.model"})
-    assert "'Qwen4ExpForCausalLM': 'vllm." in disabled
-    assert "'Qwen4ExpHcuForCausalLM': 'qwen4_exp_hcu.model.model'" in disabled
+    vllm_own, alias = out.stdout.split()[-2:]
+    assert vllm_own.startswith("vllm.") and alias == ours
