@@ -123,7 +123,9 @@ def make_tiny_checkpoint(
     return dst
 
 
-def make_tiny_int8_checkpoint(dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, seed: int = 0, **overrides) -> Path:
+def make_tiny_int8_checkpoint(
+    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, seed: int = 0, **overrides
+) -> Path:
     """BF16 checkpoint at `DST-bf16`, then the quantizer's INT8-PLE copy at `dst`; returns `dst`."""
     from qwen4_exp_hcu.quantize import quantize_checkpoint
 

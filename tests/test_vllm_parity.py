@@ -77,7 +77,11 @@ def assert_matches_reference(outputs, reference) -> None:
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         assert list(out.token_ids) == ref["tokens"], f"prompt {i}: greedy tokens differ"
         errors = torch.tensor(
-            [abs(lp.logprob - ref["logprobs"][step, tok].item()) for step, top in enumerate(out.logprobs) for tok, lp in top.items()]
+            [
+                abs(lp.logprob - ref["logprobs"][step, tok].item())
+                for step, top in enumerate(out.logprobs)
+                for tok, lp in top.items()
+            ]
         )
         assert errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL, (
             f"prompt {i}: logprobs differ from transformers by mean {errors.mean():.4f}, max {errors.max():.4f}"
@@ -158,7 +162,8 @@ def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_
     Dynamo traces it once; `VLLM_CPU_CI_ENV=1` makes the backend eager instead of an Inductor build that
     takes ~50 s here.
     """
-    reference = reference_greedy(dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized"), PROMPTS, MAX_NEW_TOKENS)
+    dequantized = dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized")
+    reference = reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS)
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
     llm = start_engine(int8_checkpoint, hf_overrides={"architectures": ["Qwen4ExpHcuForCausalLM"]})
