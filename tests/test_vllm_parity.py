@@ -160,7 +160,8 @@ def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_
     Served under the alias architecture with breakable CUDA graphs off (vLLM turns them on, process-wide,
     for `Qwen4ExpForCausalLM`, and they disable torch.compile), so the model goes through torch.compile:
     Dynamo traces it once; `VLLM_CPU_CI_ENV=1` makes the backend eager instead of an Inductor build that
-    takes ~50 s here.
+    takes ~50 s here. The alias also keeps the tiny config's M-RoPE sections (vLLM strips them only for
+    `Qwen4ExpForCausalLM`), so positions arrive as [3, T] rows from `get_mrope_input_positions`.
     """
     dequantized = dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized")
     reference = reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS)

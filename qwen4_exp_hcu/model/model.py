@@ -23,7 +23,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.platforms import current_platform
@@ -125,7 +125,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
         return inject(streams, self.mlp(x), weights)
 
 
-@support_torch_compile
+# positions are [T] or, when the checkpoint's RoPE keeps M-RoPE sections, [3, T]: T is the dynamic dim.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0})
 class Qwen4ExpModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -185,6 +186,8 @@ class Qwen4ExpModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if positions.ndim == 2:  # M-RoPE rows of text tokens are identical
+            positions = positions[0]
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = hidden.repeat(1, self.hc_count)
         if self.ple_blocks and input_ids is None:
@@ -196,7 +199,7 @@ class Qwen4ExpModel(nn.Module):
         return self.hyper_connection_mixer(streams)
 
 
-class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
+class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked=_STACKED, orig_to_new_prefix=_PREFIXES)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -219,6 +222,11 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
+        """Text only: every M-RoPE section gets the token index. vLLM strips M-RoPE from real checkpoints
+        served as `Qwen4ExpForCausalLM`; under the alias architecture the runner asks for these."""
+        return torch.arange(len(input_tokens)).expand(3, -1), 0
 
     def forward(
         self,
