@@ -131,9 +131,9 @@ def main() -> None:
         for nw in (1, 2, 4, 8):
             ms = do_bench(lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw))
             sweep[f"block_p={bp},warps={nw}"] = useful / ms / 1e6
-    for programs in (0, 33, 66, 132, 264, 528, 1056, 2112):
-        for bp in (8, 16, 32):
-            for nw in (1, 4):
+    for programs in (0, 8, 16, 24, 33, 48, 66, 132, 264, 1056):
+        for bp in (8, 16, 32, 64, 128):
+            for nw in (1, 4, 8):
                 fn = lambda: gather_dequant(
                     ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True, programs=programs or None
                 )
