@@ -124,26 +124,18 @@ def main() -> None:
     stage_w = torch.empty(T * H, D, dtype=torch.int8, pin_memory=True)
     stage_s = torch.empty(T * H, 1, dtype=torch.bfloat16, pin_memory=True)
 
-    # tuning sweeps of the fused kernel (uniform ids): plain grid, then sorted ids with a capped grid
+    # tuning sweeps of the fused kernel (uniform ids), ids as they come and sorted
     ids_uniform = torch.randint(0, R, (T, H), device="cuda")
-    sweep, sweep_sorted = {}, {}
-    for bp in (4, 8, 16, 32, 64):
-        for nw in (1, 2, 4, 8):
-            ms = do_bench(lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw))
-            sweep[f"block_p={bp},warps={nw}"] = useful / ms / 1e6
-    for programs in (0, 8, 16, 24, 33, 48, 66, 132, 264, 1056):
-        for bp in (8, 16, 32, 64, 128):
-            for nw in (1, 4, 8):
-                fn = lambda: gather_dequant(
-                    ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True, programs=programs or None
-                )
-                sweep_sorted[f"programs={programs},block_p={bp},warps={nw}"] = useful / do_bench(fn) / 1e6
-    best = max(sweep, key=sweep.get)
-    bp, nw = (int(kv.split("=")[1]) for kv in best.split(","))
-    best_sorted = max(sweep_sorted, key=sweep_sorted.get)
-    tuned = dict(zip(("programs", "block_p", "num_warps"), (int(kv.split("=")[1]) for kv in best_sorted.split(","))))
-    tuned["programs"] = tuned["programs"] or None
-    print(f"best fused config {best}: {sweep[best]:.2f} GB/s; sorted {best_sorted}: {sweep_sorted[best_sorted]:.2f}", flush=True)
+    sweeps = {False: {}, True: {}}
+    for sort in (False, True):
+        for bp in (4, 8, 16, 32, 64, 128):
+            for nw in (1, 2, 4, 8):
+                fn = lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=sort)
+                sweeps[sort][f"block_p={bp},warps={nw}"] = useful / do_bench(fn) / 1e6
+    best = {sort: max(sw, key=sw.get) for sort, sw in sweeps.items()}
+    tuned = {sort: dict(zip(("block_p", "num_warps"), (int(kv.split("=")[1]) for kv in b.split(",")))) for sort, b in best.items()}
+    print(f"best fused config {best[False]}: {sweeps[False][best[False]]:.2f} GB/s; "
+          f"sorted {best[True]}: {sweeps[True][best[True]]:.2f} GB/s", flush=True)
 
     packed = None
     try:
@@ -173,18 +165,18 @@ def main() -> None:
         out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
 
     variants = {
-        "fused (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw),
-        "fused sorted (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=True),
-        "fused sorted, windowed grid (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, sort=True, **tuned),
-        "fused sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
-            ids, w_host, s_host, 0, out, sort=True, cache=cache, **tuned
+        "fused, ids as they come (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **tuned[False]),
+        "fused, sorted ids (ours, default)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **PLETable.HOST_TUNING),
+        "fused, sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
+            ids, w_host, s_host, 0, out, cache=cache, **PLETable.HOST_TUNING
         ),
         "earlier impl (F.embedding on UVA)": earlier,
         "vLLM-style (row copy, then dequant)": vllm_style,
         "host gather + H2D": host_staging,
-        "GPU-resident (ours)": lambda ids: gather_dequant(ids, w_gpu, s_gpu, 0, out, block_p=bp, num_warps=nw),
+        "GPU-resident (ours)": lambda ids: gather_dequant(ids, w_gpu, s_gpu, 0, out, **PLETable.DEVICE_TUNING),
     }
     if packed is not None:
+        bp, nw = tuned[False]["block_p"], tuned[False]["num_warps"]
         variants["fused, scale beside row"] = lambda ids: _packed_kernel[(triton.cdiv(T * H, bp),)](
             ids, packed, out, T * H, D=D, BLOCK_P=bp, num_warps=nw
         )
@@ -215,7 +207,7 @@ def main() -> None:
             gbs = useful / ms / 1e6
             results[source]["variants"][name] = {"ms": ms, "GB/s": gbs, "ratio_to_bulk": gbs / bulk_gbs, "exact": exact}
             print(f"{source:8s} {name:38s} {ms:8.3f} ms {gbs:7.2f} GB/s  x{gbs / bulk_gbs:.3f} bulk  exact={exact}", flush=True)
-        fused = results[source]["variants"]["fused (ours)"]["ms"]
+        fused = results[source]["variants"]["fused, sorted ids (ours, default)"]["ms"]
         results[source]["hash_over_lookup"] = hash_ms / fused
 
     report = {
@@ -223,10 +215,10 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful},
         "bulk_pinned_to_gpu_GBps": bulk_gbs,
-        "fused_sweep_uniform_GBps": sweep,
-        "best_fused_config": best,
-        "fused_sorted_sweep_uniform_GBps": sweep_sorted,
-        "best_sorted_config": tuned,
+        "fused_sweep_uniform_GBps": sweeps[False],
+        "fused_sorted_sweep_uniform_GBps": sweeps[True],
+        "best_config": {"unsorted": tuned[False], "sorted": tuned[True]},
+        "library_host_tuning": PLETable.HOST_TUNING,
         "cache_rows": args.cache_rows,
         "results": results,
     }

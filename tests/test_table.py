@@ -76,10 +76,9 @@ def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
     seed=st.integers(0, 2**31 - 1),
     block_p=st.sampled_from([4, 16]),
     sort=st.booleans(),
-    programs=st.sampled_from([None, 1, 3]),
     cached=st.booleans(),
 )
-def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p, sort, programs, cached):
+def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, block_p, sort, cached):
     g = torch.Generator().manual_seed(seed)
     start = int(torch.randint(0, rows, (1,), generator=g))
     end = int(torch.randint(start, rows + 1, (1,), generator=g))
@@ -95,7 +94,7 @@ def test_fused_kernel_matches_reference(rows, d, t, heads, quantized, seed, bloc
         cache = (cmap, w[hot].clone(), None if scale is None else scale[hot].clone())
     ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
-    gather_dequant(ids, w, scale, start, out, block_p=block_p, sort=sort, programs=programs, cache=cache)
+    gather_dequant(ids, w, scale, start, out, block_p=block_p, sort=sort, cache=cache)
     assert torch.equal(out, gather_dequant_reference(ids, w, scale, start))
 
 

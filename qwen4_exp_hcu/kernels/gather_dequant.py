@@ -5,11 +5,10 @@ lives, multiplies in fp32 and writes bf16 into the output slice ``out[t, h*d:(h+
 outside the owned range ``[start, start + n_rows)`` write zeros (the ETP combine sums the shards),
 and masked loads guarantee nothing outside the table is ever read.
 
-Host tables are bound by address translation of random rows, not by PCIe bandwidth, so two locality
-options exist: `sort` visits the rows in id order (the permutation scatters results back), and a
-small persistent grid (`programs`) keeps the rows in flight at any moment inside a narrow window of
-that order. An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss) is checked in the
-same kernel; hits never touch host memory.
+Host tables are bound by address translation of random rows, not by PCIe bandwidth, so `sort` visits
+the rows in id order (neighbouring programs touch neighbouring pages; the permutation scatters results
+back). An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss) is checked in the same
+kernel; hits never touch host memory.
 Reference: `qwen4_exp_hcu.ple.table.gather_dequant_reference`.
 """
 
@@ -32,58 +31,55 @@ def _to_bf16_rtne(x):
 @triton.jit
 def _gather_dequant_kernel(
     ids_ptr, perm_ptr, w_ptr, s_ptr, map_ptr, cw_ptr, cs_ptr, out_ptr,
-    n_pairs, start, n_rows, iters,
+    n_pairs, start, n_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_PERM: tl.constexpr, HAS_CACHE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
-    for it in range(iters):
-        p = (it * tl.num_programs(0) + tl.program_id(0)) * BLOCK_P + tl.arange(0, BLOCK_P)
-        pmask = p < n_pairs
-        row = tl.load(ids_ptr + p, mask=pmask, other=-1) - start
-        pair = tl.load(perm_ptr + p, mask=pmask, other=0) if HAS_PERM else p  # flat (token, head) index
-        owned = pmask & (row >= 0) & (row < n_rows)
-        row = tl.where(owned, row, 0)
-        miss = owned
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pmask = p < n_pairs
+    row = tl.load(ids_ptr + p, mask=pmask, other=-1) - start
+    pair = tl.load(perm_ptr + p, mask=pmask, other=0) if HAS_PERM else p  # flat (token, head) index
+    owned = pmask & (row >= 0) & (row < n_rows)
+    row = tl.where(owned, row, 0)
+    miss = owned
+    if HAS_CACHE:
+        slot = tl.load(map_ptr + row, mask=owned, other=-1).to(tl.int64)
+        hit = slot >= 0
+        miss = owned & ~hit
+        slot = tl.where(hit, slot, 0)
+        w = tl.load(cw_ptr + slot[:, None] * D + cols[None, :], mask=hit[:, None] & cmask, other=0)
+        w += tl.load(w_ptr + row[:, None] * D + cols[None, :], mask=miss[:, None] & cmask, other=0)
+    else:
+        w = tl.load(w_ptr + row[:, None] * D + cols[None, :], mask=owned[:, None] & cmask, other=0)
+    w = w.to(tl.float32)
+    if HAS_SCALE:
+        s = tl.load(s_ptr + row, mask=miss, other=0).to(tl.float32)
         if HAS_CACHE:
-            slot = tl.load(map_ptr + row, mask=owned, other=-1).to(tl.int64)
-            hit = slot >= 0
-            miss = owned & ~hit
-            slot = tl.where(hit, slot, 0)
-            w = tl.load(cw_ptr + slot[:, None] * D + cols[None, :], mask=hit[:, None] & cmask, other=0)
-            w += tl.load(w_ptr + row[:, None] * D + cols[None, :], mask=miss[:, None] & cmask, other=0)
-        else:
-            w = tl.load(w_ptr + row[:, None] * D + cols[None, :], mask=owned[:, None] & cmask, other=0)
-        w = w.to(tl.float32)
-        if HAS_SCALE:
-            s = tl.load(s_ptr + row, mask=miss, other=0).to(tl.float32)
-            if HAS_CACHE:
-                s += tl.load(cs_ptr + slot, mask=hit, other=0).to(tl.float32)
-            w = w * s[:, None]
-        # out is [T, H*d] contiguous, so pair p's slice starts at p*d
-        tl.store(out_ptr + pair[:, None] * D + cols[None, :], _to_bf16_rtne(w), mask=pmask[:, None] & cmask)
+            s += tl.load(cs_ptr + slot, mask=hit, other=0).to(tl.float32)
+        w = w * s[:, None]
+    # out is [T, H*d] contiguous, so pair p's slice starts at p*d
+    tl.store(out_ptr + pair[:, None] * D + cols[None, :], _to_bf16_rtne(w), mask=pmask[:, None] & cmask)
 
 
 def gather_dequant(
     ids, weight, scale, start: int, out, *, block_p: int = 16, num_warps: int = 4, sort: bool = False,
-    programs: int | None = None, cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """ids [T, H] int64; weight [n_rows, d] int8 (or bf16 with scale=None); out [T, H*d] bf16.
-    `programs` caps the grid (each program then loops); `cache` = (map [n_rows] int32, rows, scales)."""
+    `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales)."""
     n_pairs = ids.numel()
     if n_pairs:
         d = weight.shape[1]
         flat, perm = ids.reshape(-1), None
         if sort:
             flat, perm = torch.sort(flat)
-        blocks = triton.cdiv(n_pairs, block_p)
-        grid = min(blocks, programs) if programs else blocks
         cmap, cw, cs = cache if cache is not None else (flat, weight, scale)
-        _gather_dequant_kernel[(grid,)](
+        _gather_dequant_kernel[(triton.cdiv(n_pairs, block_p),)](
             flat, perm if sort else flat, weight, scale if scale is not None else weight,
             cmap, cw, cs if cs is not None else cw, out,
-            n_pairs, start, weight.shape[0], triton.cdiv(blocks, grid),
+            n_pairs, start, weight.shape[0],
             D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
             HAS_SCALE=scale is not None, HAS_PERM=sort, HAS_CACHE=cache is not None, num_warps=num_warps,
         )

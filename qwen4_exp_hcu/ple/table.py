@@ -52,7 +52,7 @@ class PLETable:
 
     # kernel settings measured on an H200 (benchmarks/bench_lookup.py; README "Performance")
     DEVICE_TUNING = dict(block_p=16, num_warps=4)
-    HOST_TUNING = dict(block_p=8, num_warps=4, sort=True, programs=66)
+    HOST_TUNING = dict(block_p=8, num_warps=8, sort=True)
 
     def __init__(
         self,
