@@ -157,6 +157,15 @@ def main() -> None:
         rows, sc = w_uva.index_select(0, flat), s_uva.index_select(0, flat)
         out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
 
+    unique_rows = torch.empty(T * H, D, dtype=torch.bfloat16, device="cuda")
+    no_sort = {k: v for k, v in PLETable.HOST_TUNING.items() if k != "sort"}
+
+    def dedup(ids):
+        """Each distinct row read once (torch.unique sorts), then expanded; unique's size is a host sync."""
+        rows, inverse = torch.unique(ids.view(-1), return_inverse=True)
+        got = gather_dequant(rows.view(-1, 1), w_host, s_host, 0, unique_rows[: rows.numel()], **no_sort)
+        out.copy_(got[inverse].view(T, H * D))
+
     def host_staging(ids):
         flat = ids.view(-1).cpu()
         torch.index_select(w_host, 0, flat, out=stage_w)
@@ -167,6 +176,7 @@ def main() -> None:
     variants = {
         "fused, ids as they come (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **tuned[False]),
         "fused, sorted ids (ours, default)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **PLETable.HOST_TUNING),
+        "fused, sorted + dedup (ours; host sync)": dedup,
         "fused, sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
             ids, w_host, s_host, 0, out, cache=cache, **PLETable.HOST_TUNING
         ),
