@@ -117,7 +117,8 @@ def test_bad_inputs_named():
     with pytest.raises(ValueError, match="shard_1"):
         t.load_shard(1, q[:, :3], s, name="shard_1")
     ids = torch.zeros(3, 2, dtype=torch.int64)
-    for bad in (torch.empty(3, 8), torch.empty(3, 7, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16)):
+    wrong_device = torch.empty(3, 8, dtype=torch.bfloat16, device="meta")
+    for bad in (torch.empty(3, 8), torch.empty(3, 7, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16), wrong_device):
         with pytest.raises(ValueError, match="lookup out must be"):
             t.lookup(ids, out=bad)
 
