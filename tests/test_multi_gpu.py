@@ -301,7 +301,13 @@ def _bench(rank, dev, group, across):
     return {"rows_total": solo.table.rows, "heads": H, "head_dim": solo.table.dim, "steps": rows}
 
 
-def _nccl_worker(rank, world, tmp, weights_path):
+def _topologies_2gpu(rank):
+    """(name, ETP group, across_dp, DP replica of this rank) per case; called once all ranks joined."""
+    group = TorchGroup()  # both ranks: the ETP group is the world of 2
+    return (("tp2", group, False, 0), ("dp2_across", group, True, rank))
+
+
+def _nccl_worker(rank, world, tmp, weights_path, topologies=_topologies_2gpu):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # keep NVLink multicast off
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -314,8 +320,7 @@ def _nccl_worker(rank, world, tmp, weights_path):
         ref_gstates = _new_states(refs, dev)
         static.fill(_step_inputs(cfg, 0, 0, dev))
         ref_graph, ref_gouts = _capture(lambda: [r(*static.args(i, ref_gstates)) for i, r in enumerate(refs)])
-        group = TorchGroup()  # both ranks: the ETP group is the world of 2
-        for name, across, dp in (("tp2", False, 0), ("dp2_across", True, rank)):
+        for name, group, across, dp in topologies(rank):
             t0 = time.perf_counter()
             result["cases"][name] = _topology_case(
                 cfg, sds, rank, dev, name, group, across, dp, refs, static, ref_graph, ref_gstates, ref_gouts, result["failures"]
