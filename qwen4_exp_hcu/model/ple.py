@@ -28,6 +28,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from qwen4_exp_hcu.ple.layer import state_shapes
+
 logger = init_logger(__name__)
 
 PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
@@ -43,12 +45,6 @@ def prefetch_enabled() -> bool:
     return os.environ.get(PREFETCH_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
-def ple_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(n-gram context, short-conv window) per request: what `PLELayer.state_shapes()` returns."""
-    window = (config.ple_conv_kernel_size - 1) * config.ngram_size
-    return (config.ngram_size - 1,), (window, config.hc_count * config.hidden_size)
-
-
 def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """Token ids stay int64; the conv window has the hidden states' dtype (what PLELayer checks)."""
     return torch.int64, model_dtype
@@ -57,7 +53,7 @@ def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype
 def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
     config = vllm_config.model_config.hf_text_config
     return MambaSpec(
-        shapes=ple_state_shapes(config),
+        shapes=state_shapes(config),
         dtypes=ple_state_dtypes(vllm_config.model_config.dtype),
         block_size=-1,
         mamba_type=PLE_MAMBA_TYPE,
@@ -145,8 +141,6 @@ class PLEBlock(nn.Module, MambaBase):
             across_dp=placement.across_dp,
             dtype=self.model_dtype,
         )
-        if tuple(self.layer.state_shapes()) != ple_state_shapes(vllm_config.model_config.hf_text_config):
-            raise ValueError(f"{prefix}: PLELayer state shapes {self.layer.state_shapes()} differ from the cache spec.")
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         self.workspace = None  # set by the model: the PrefetchWorkspace and this layer's index in it
         self.workspace_index = -1

@@ -50,6 +50,13 @@ def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor)
     scatter(state, slot_ids, rows)
 
 
+def state_shapes(text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-slot shapes of a PLE layer's (n-gram context, short-conv window), from the config alone
+    (a serving engine sizes its state cache before any layer exists)."""
+    window = (text_config.ple_conv_kernel_size - 1) * text_config.ngram_size
+    return (text_config.ngram_size - 1,), (window, text_config.hc_count * text_config.hidden_size)
+
+
 class PLELayer(nn.Module):
     def __init__(
         self,
@@ -67,7 +74,8 @@ class PLELayer(nn.Module):
         self.spec = spec = NgramHashSpec.from_config(text_config, ple_layer_index)
         self.hidden, self.hc = text_config.hidden_size, text_config.hc_count
         self.kernel = text_config.ple_conv_kernel_size
-        self.state_len = (self.kernel - 1) * spec.ngram_size
+        self._state_shapes = state_shapes(text_config)
+        self.state_len = self._state_shapes[1][0]
         embed_dim, width = spec.num_heads * spec.head_dim, self.hidden * self.hc
         world = etp_group.world_size if etp_group is not None else 1
         start, end = owned_rows(spec.rows, etp_group.rank_in_group if etp_group is not None else 0, world)
@@ -91,7 +99,7 @@ class PLELayer(nn.Module):
     # ---- state -------------------------------------------------------------------------------
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-slot shapes of (n-gram context, short-conv window)."""
-        return (self.spec.context_len,), (self.state_len, self.hidden * self.hc)
+        return self._state_shapes
 
     def _request_context(self, slot_ids, ngram_state, has_initial_state):
         live = (has_initial_state & (slot_ids >= 0))[:, None]
