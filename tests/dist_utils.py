@@ -69,6 +69,24 @@ def write_result(tmp: str, rank: int, result: dict) -> None:
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def compare_steps(got: list, want: list, label: str, failures: list[str]) -> None:
+    """Append a line per differing output / state: steps of (per-layer outputs, per-layer (ngram, conv) states)."""
+    def diff(a, b):
+        return f"max|diff| {max_abs_diff(a, b):.3g}" if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+
+    for step, ((g_out, g_st), (w_out, w_st)) in enumerate(zip(got, want, strict=True)):
+        for i, (g, w) in enumerate(zip(g_out, w_out, strict=True)):
+            if not torch.equal(g, w):
+                failures.append(f"{label}: step {step} layer {i} output differs ({diff(g, w)})")
+            for name, a, b in zip(("ngram_state", "conv_state"), g_st[i], w_st[i]):
+                if not torch.equal(a, b):
+                    failures.append(f"{label}: step {step} layer {i} {name} differs ({diff(a, b)})")
+
+
 def spawn_workers(fn, world: int, tmp: Path, *args, start_method: str = "forkserver") -> list[dict]:
     """Run ``fn(rank, world, str(tmp), *args)`` in `world` new processes; return each rank's result.
     A worker that raises (or dies) fails the calling test with the worker's traceback."""

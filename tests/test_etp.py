@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CountingGroup, init_process_group, qsl_of, random_ple_state_dict, spawn_workers, write_result
+from dist_utils import CountingGroup, compare_steps, init_process_group, qsl_of, random_ple_state_dict, spawn_workers, write_result
 from ple_configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup, owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
@@ -114,19 +114,6 @@ def _run_steps(cfg, layers, dp, prefetch, mt_mode):
             outs.append(layer(x["hs"][i], x["ids"], x["qsl"], x["slots"], *states[i], x["init"], embeddings=emb))
         record.append((outs, [(a.clone(), b.clone()) for a, b in states]))
     return record
-
-
-def _compare(got, want, label, failures):
-    def diff(a, b):
-        return f"max|diff| {(a.double() - b.double()).abs().max().item():.3g}" if a.shape == b.shape and a.numel() else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
-
-    for step, ((g_out, g_st), (w_out, w_st)) in enumerate(zip(got, want)):
-        for i in range(len(LAYERS)):
-            if not torch.equal(g_out[i], w_out[i]):
-                failures.append(f"{label}: step {step} layer {i} output differs ({diff(g_out[i], w_out[i])})")
-            for name, a, b in zip(("ngram_state", "conv_state"), g_st[i], w_st[i]):
-                if not torch.equal(a, b):
-                    failures.append(f"{label}: step {step} layer {i} {name} differs ({diff(a, b)})")
 
 
 def _expected_bytes(layer, dp, mt_mode):
@@ -243,7 +230,7 @@ def _etp_worker(rank, world, tmp, weights_path):
                     got = _run_steps(cfg, layers, dp, prefetch, mt_mode)
                 except Exception:
                     raise RuntimeError(f"{label} raised:\n{traceback.format_exc()}") from None
-                _compare(got, ref_runs[dp], label, failures)
+                compare_steps(got, ref_runs[dp], label, failures)
                 moved = counting.bytes if counting is not None else 0
                 want = sum(_expected_bytes(l, dp, mt_mode) for l in layers)
                 if moved != want:

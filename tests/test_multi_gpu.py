@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import init_process_group, qsl_of, random_ple_state_dict, spawn_workers, write_result
+from dist_utils import compare_steps, init_process_group, max_abs_diff, qsl_of, random_ple_state_dict, spawn_workers, write_result
 from ple_configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.layer import PLELayer
@@ -116,20 +116,6 @@ def _eager_steps(cfg, layers, states, dp, dev, prefetch, max_tokens_mode, ws):
     return record
 
 
-def _diff(a, b):
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def _same(got, want, label, failures):
-    for step, ((go, gs), (wo, ws_)) in enumerate(zip(got, want)):
-        for i in range(len(LAYERS)):
-            if not torch.equal(go[i], wo[i]):
-                failures.append(f"{label}: step {step} layer {i} output differs (max|diff| {_diff(go[i], wo[i]):.3g})")
-            for name, a, b in zip(("ngram_state", "conv_state"), gs[i], ws_[i]):
-                if not torch.equal(a, b):
-                    failures.append(f"{label}: step {step} layer {i} {name} differs (max|diff| {_diff(a, b):.3g})")
-
-
 class Static:
     """Persistent graph inputs; `fill` copies a real batch in and pads it to CAP tokens / B_STATIC requests."""
 
@@ -203,7 +189,7 @@ def _topology_case(cfg, sds, rank, dev, name, group, across, dp, refs, static, r
     for prefetch in (False, True):
         for mode in (None, "exact"):
             got = _eager_steps(cfg, layers, _new_states(layers, dev), dp, dev, prefetch, mode, ws)
-            _same(got, want, f"{name} eager prefetch={prefetch} max_tokens={mode}", failures)
+            compare_steps(got, want, f"{name} eager prefetch={prefetch} max_tokens={mode}", failures)
 
     # 2. one CUDA graph: prefetch start (side stream, NCCL inside) + wait + forward of both layers
     states = _new_states(layers, dev)
@@ -232,14 +218,14 @@ def _topology_case(cfg, sds, rank, dev, name, group, across, dp, refs, static, r
             if not torch.equal(ws.buffers[i][:CAP], want_emb[i]):
                 failures.append(f"{label} layer {i}: prefetched embeddings differ from the reference lookup")
             if not torch.equal(outs[i], ref_gouts[i]):
-                failures.append(f"{label} layer {i}: output differs from the captured reference (max|diff| {_diff(outs[i], ref_gouts[i]):.3g})")
+                failures.append(f"{label} layer {i}: output differs from the captured reference (max|diff| {max_abs_diff(outs[i], ref_gouts[i]):.3g})")
             for k, what in enumerate(("ngram_state", "conv_state")):
                 if not torch.equal(states[i][k], ref_gstates[i][k]):
                     failures.append(f"{label} layer {i}: {what} differs from the captured reference")
             if not torch.equal(states[i][0], eager_states[i][0]):
                 failures.append(f"{label} layer {i}: ngram_state differs from the eager reference")
             for a, b in ((outs[i][:T], eager[i][:T]), (states[i][1], eager_states[i][1])):
-                d = _diff(a, b)
+                d = max_abs_diff(a, b)
                 max_vs_eager = max(max_vs_eager, d)
                 bitwise_vs_eager &= torch.equal(a, b)
                 if not d <= 1e-5:
@@ -351,17 +337,26 @@ def test_nccl_etp_prefetch_in_cuda_graph(tmp_path):
     # real geometry: 16 heads x 128 bf16 = 4096 B/token; TP2 all-reduce 2*(1/2)*4096; across 16*8 + 4096
     assert results[0]["cases"]["tp2"]["bench"]["steps"][0]["bytes_per_token"] == 4096
     assert results[0]["cases"]["dp2_across"]["bench"]["steps"][0]["bytes_per_token"] == 16 * 8 + 4096
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "test": "tests/test_multi_gpu.py::test_nccl_etp_prefetch_in_cuda_graph",
+    write_etp_results(
+        RESULTS, "tests/test_multi_gpu.py::test_nccl_etp_prefetch_in_cuda_graph", results, t0,
+        what_ran="TP2 and DP2-across-dp over NCCL, pinned-host tables, prefetch start+wait+forward in one CUDA graph; "
+        "eager and graph outputs/states exact vs the single-GPU reference",
+        bytes_note="bytes = per-rank ring volume of the ETP combine (ETPLookup.bytes_per_token x tokens per rank)",
+    )
+
+
+def write_etp_results(path: Path, test: str, results: list[dict], t0: float, what_ran: str, bytes_note: str) -> None:
+    """The per-rank figures of a multi-GPU run with machine and versions (``benchmarks/plot_etp.py`` plots them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "test": test,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": platform.node(),
         "devices": [r["device"] for r in results],
         "torch": torch.__version__,
         "nccl": str(torch.cuda.nccl.version()),
-        "what_ran": "TP2 and DP2-across-dp over NCCL, pinned-host tables, prefetch start+wait+forward in one CUDA graph; "
-        "eager and graph outputs/states exact vs the single-GPU reference",
-        "bytes_note": "bytes = per-rank ring volume of the ETP combine (ETPLookup.bytes_per_token x tokens per rank)",
+        "what_ran": what_ran,
+        "bytes_note": bytes_note,
         "seconds": time.perf_counter() - t0,
         "per_rank": [{k: r[k] for k in ("rank", "device", "cases")} for r in results],
     }, indent=1))

@@ -16,8 +16,6 @@ tokens) and replay / lookup times go to ``benchmarks/results/etp_4gpu.json``, wr
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from pathlib import Path
 
@@ -85,26 +83,15 @@ def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path):
         assert pair == [list(owned_rows(n, k % TP, TP)) for k in range(WORLD)], pair
         assert [r["cases"]["tp2xdp2_across"]["rows"][i] for r in results] == [list(owned_rows(n, k, WORLD)) for k in range(WORLD)]
 
-    per_rank = []
     for r in results:
-        cases = {}
         for name, case in r["cases"].items():
-            cases[name] = dict(case, schedule_steps=_schedule_bytes(case, name.endswith("across")))
-        per_rank.append({"rank": r["rank"], "device": r["device"], "cases": cases})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "test": "tests/test_multi_gpu_4.py::test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "host": platform.node(),
-        "devices": [r["device"] for r in results],
-        "torch": torch.__version__,
-        "nccl": str(torch.cuda.nccl.version()),
-        "what_ran": "TP2 x DP2 over NCCL (4 ranks): ETP within the TP pairs (new_group) and across DP (one group of 4), "
+            case["schedule_steps"] = _schedule_bytes(case, name.endswith("across"))
+    mg.write_etp_results(
+        RESULTS, "tests/test_multi_gpu_4.py::test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph", results, t0,
+        what_ran="TP2 x DP2 over NCCL (4 ranks): ETP within the TP pairs (new_group) and across DP (one group of 4), "
         "pinned-host tables, uneven/zero tokens per DP replica, prefetch off/on eager and start+wait+forward in one "
         "CUDA graph replayed with new inputs; outputs/states exact vs the single-GPU reference",
-        "bytes_note": "bytes = per-rank ring volume of the ETP combine (ETPLookup.bytes_per_token x tokens); "
+        bytes_note="bytes = per-rank ring volume of the ETP combine (ETPLookup.bytes_per_token x tokens); "
         "schedule_steps: eager steps with max_tokens passed (without it across-dp adds an 8 B x 3 count exchange); "
         "graph_step: one replay of the static CAP-token graph; bench: real head geometry, lookup only",
-        "seconds": time.perf_counter() - t0,
-        "per_rank": per_rank,
-    }, indent=1))
+    )
