@@ -1,6 +1,6 @@
 """Tiny random Qwen4Exp checkpoints for tests and the demo.
 
-`python -m qwen4_exp_hcu.tiny DST [--int8] [--config configs/tiny.json] [--seed 0]` writes a text-only
+`python -m qwen4_exp_hcu.tiny DST [--int8] [--config CONFIG.json] [--seed 0]` writes a text-only
 `Qwen4ExpForCausalLM` with transformers' own `save_pretrained` (so the layout is exactly what transformers
 writes: sharded PLE tables, per-expert MoE weights) plus an offline word-level tokenizer. Weights are drawn
 with a fixed seed at a scale where greedy decoding is not degenerate (distinct prompts → distinct tokens);
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("tiny_config.json")  # package data
 # Share of each lm_head row that points at the embedding of the token it predicts next (see below).
 SUCCESSOR_WEIGHT = 0.6
 

@@ -17,29 +17,19 @@ import pytest
 import torch
 
 from qwen4_exp_hcu.model.model import ple_storage_report
-from qwen4_exp_hcu.tiny import (
-    dequantized_checkpoint,
-    load_config,
-    make_tiny_checkpoint,
-    make_tiny_int8_checkpoint,
-    reference_greedy,
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, make_tiny_int8_checkpoint, reference_greedy
+from scenarios import (
+    EOS,
+    LOGPROB_MAX_TOL,
+    LOGPROB_MEAN_TOL,
+    MAX_NEW_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
+    PREFIX_PROMPT,
+    PROMPTS,
+    logprob_errors,
 )
 
 pytestmark = pytest.mark.vllm
-
-EOS = load_config().eos_token_id
-_rng = torch.Generator().manual_seed(11)
-LONG = torch.randint(3, 512, (70,), generator=_rng).tolist()
-LONG[15] = LONG[16] = LONG[33] = EOS  # EOS runs across the first chunk boundary and inside a chunk
-PROMPTS = [
-    [5, 17, 300, 42, 7],
-    [100, 101, EOS, 102, 103, 104, EOS, 9],
-    list(range(20, 60)),
-    LONG,
-]
-MAX_NEW_TOKENS = 32
-MAX_NUM_BATCHED_TOKENS = 16
-LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL = 0.03, 0.3
 
 
 def start_engine(path, **kwargs):
@@ -76,13 +66,7 @@ def generate(llm, prompts, max_tokens=MAX_NEW_TOKENS, full=False):
 def assert_matches_reference(outputs, reference) -> None:
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         assert list(out.token_ids) == ref["tokens"], f"prompt {i}: greedy tokens differ"
-        errors = torch.tensor(
-            [
-                abs(lp.logprob - ref["logprobs"][step, tok].item())
-                for step, top in enumerate(out.logprobs)
-                for tok, lp in top.items()
-            ]
-        )
+        errors = logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
         assert errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL, (
             f"prompt {i}: logprobs differ from transformers by mean {errors.mean():.4f}, max {errors.max():.4f}"
         )
@@ -128,10 +112,8 @@ def test_distinct_prompts_give_distinct_continuations(bf16_reference):
 def test_prefix_cache_hit_restores_ple_state(bf16_checkpoint, bf16_llm):
     """A prompt longer than one cache block, twice: the second run starts from the cached block's
     GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions)."""
-    prompt = torch.randint(3, 512, (400,), generator=torch.Generator().manual_seed(5)).tolist()
-    prompt[200] = EOS
-    reference = reference_greedy(bf16_checkpoint, [prompt], 8)
-    first, second = (generate(bf16_llm, [prompt], max_tokens=8, full=True)[0] for _ in range(2))
+    reference = reference_greedy(bf16_checkpoint, [PREFIX_PROMPT], 8)
+    first, second = (generate(bf16_llm, [PREFIX_PROMPT], max_tokens=8, full=True)[0] for _ in range(2))
     assert second.num_cached_tokens > 0 and (first.num_cached_tokens or 0) < second.num_cached_tokens
     assert_matches_reference([first.outputs[0], second.outputs[0]], reference * 2)
 

@@ -2,8 +2,9 @@
 
 Persistent output buffers sized for `max_tokens` keep addresses fixed, so `start`/`wait` capture into
 one CUDA graph as a fork/join of the side stream (event record + wait; no eager break) and replay with
-new inputs. On CPU, `start` runs the lookup at once. Inputs passed to `start` must stay alive until
-`wait` (a serving engine's persistent input buffers do).
+new inputs. On CPU, `start` runs the lookup at once. The workspace holds the inputs of a started
+lookup until its `wait`, so the caching allocator cannot hand their memory to the main stream while the
+side stream still reads them (eager steps build fresh index tensors each step).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class PrefetchWorkspace:
         ]
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready = [torch.cuda.Event() for _ in self.layers] if self.side is not None else []
-        self._tokens: dict[int, int] = {}
+        self._inflight: dict[int, tuple] = {}  # layer -> (tokens, inputs kept alive)
 
     def start(self, i: int, input_ids, query_start_loc, slot_ids, ngram_state, has_initial_state, max_tokens=None) -> None:
         """Launch layer i's hash + lookup + ETP combine. `max_tokens`: the most tokens any ETP rank holds
@@ -47,13 +48,13 @@ class PrefetchWorkspace:
             with torch.cuda.stream(self.side):
                 self.layers[i].lookup(*args, out=out, max_tokens=max_tokens)
                 self.ready[i].record(self.side)
-        self._tokens[i] = T
+        self._inflight[i] = (T, args)
 
     def wait(self, i: int) -> torch.Tensor:
         """Join layer i's lookup; returns its [T, ple_embed_dim] bf16 embeddings (a view of the buffer)."""
-        if i not in self._tokens:
+        if i not in self._inflight:
             raise RuntimeError(f"PLE prefetch: wait({i}) without a start({i}) in this step.")
-        T = self._tokens.pop(i)
+        T, _ = self._inflight.pop(i)
         if self.side is not None:
             torch.cuda.current_stream().wait_event(self.ready[i])
         return self.buffers[i][:T]

@@ -1,0 +1,142 @@
+"""vLLM 0.33 on a GPU: every CUDA-graph mode x PLE prefetch on/off against transformers' logprobs.
+
+The tiny INT8 checkpoint with its PLE tables in pinned host memory (vLLM's `EngramConfig` default), served
+in breakable CUDA graphs (vLLM's default for Qwen4Exp), FULL_AND_PIECEWISE and PIECEWISE (torch.compile,
+breakable graphs off), FULL_DECODE_ONLY and eager. Each engine runs the CPU suite's scenarios
+(`scenarios.py`: chunked prefill, EOS inside prompts, one request at a time, a concurrent batch of
+different lengths, 32 decode steps, a prefix-cache hit) in its own process (`vllm_gpu_worker.py`); several
+share the GPU at once. One more engine runs with the PLE state carry broken on purpose and must fail the
+same comparison, which shows the tolerance is sensitive to PLE state faults.
+
+Runs unchanged on a machine with vLLM 0.33 installed, or through `../shared/gpu-vllm`:
+`source .gpu-vllm/setup.sh && python3 -m pytest -s -m "gpu and vllm" tests/test_vllm_gpu.py`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy
+from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS, logprob_errors
+from vllm_gpu_worker import MODES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+WORKER = Path(__file__).with_name("vllm_gpu_worker.py")
+PARALLEL_ENGINES = 4
+TIMEOUT_S = 900
+FAULT_RUN = ("breakable", True, True)
+RUNS = [(mode, prefetch, False) for mode in MODES for prefetch in (True, False)] + [FAULT_RUN]
+EXPECTED_CUDAGRAPH_MODE = {
+    "breakable": "FULL_AND_PIECEWISE",  # vLLM's default mode, captured as breakable graphs
+    "full_and_piecewise": "FULL_AND_PIECEWISE",
+    "piecewise": "PIECEWISE",
+    "full_decode_only": "FULL_DECODE_ONLY",
+    "eager": "NONE",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("gpu") / "int8")
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory):
+    """Start every engine (a few at a time, in the background); each test waits for its own."""
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("runs")
+
+    def run(key):
+        mode, prefetch, fault = key
+        name = f"{mode}-{'prefetch' if prefetch else 'noprefetch'}{'-fault' if fault else ''}"
+        cmd = [sys.executable, str(WORKER), str(checkpoint), str(out / f"{name}.json"), "--mode", mode]
+        cmd += [] if prefetch else ["--no-prefetch"]
+        cmd += ["--fault"] if fault else []
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_BREAKABLE_CUDAGRAPH"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            return {"error": f"{name} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"}
+        return json.loads((out / f"{name}.json").read_text())
+
+    pool = ThreadPoolExecutor(PARALLEL_ENGINES)
+    futures = {key: pool.submit(run, key) for key in RUNS}
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, runs, tmp_path_factory):
+    """transformers (fp32) on the dequantized tables, computed while the engines start."""
+    dequantized = dequantized_checkpoint(checkpoint, tmp_path_factory.mktemp("gpu") / "dequantized")
+    return {
+        "prompts": reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS),
+        "prefix": reference_greedy(dequantized, [PREFIX_PROMPT], 8)[0],
+    }
+
+
+def compare(result, reference) -> dict:
+    """Per scenario: greedy tokens equal? and the top-5 logprob errors (mean, max) over its requests."""
+    cases = {
+        "one_at_a_time": zip(result["one_at_a_time"], reference["prompts"]),
+        "concurrent": zip(result["concurrent"], reference["prompts"]),
+        "prefix_cache": zip(result["prefix_cache"], [reference["prefix"]] * 2),
+    }
+    report = {}
+    for name, pairs in cases.items():
+        pairs = list(pairs)
+        errors = torch.cat([logprob_errors(out["logprobs"], ref["logprobs"]) for out, ref in pairs])
+        report[name] = {
+            "tokens_equal": all(out["tokens"] == ref["tokens"] for out, ref in pairs),
+            "mean": errors.mean().item(),
+            "max": errors.max().item(),
+        }
+    return report
+
+
+def within_tolerance(report) -> bool:
+    return all(r["tokens_equal"] and r["mean"] < LOGPROB_MEAN_TOL and r["max"] < LOGPROB_MAX_TOL for r in report.values())
+
+
+def summary(key, result, report) -> str:
+    worst_mean = max(r["mean"] for r in report.values())
+    worst_max = max(r["max"] for r in report.values())
+    return (
+        f"GPU-PARITY {key[0]:<18} prefetch={'on ' if key[1] else 'off'} fault={key[2]!s:<5} "
+        f"graphs={result['cudagraph_mode']}{' (breakable)' if result['breakable'] else ''} "
+        f"compile={result['compilation_mode']} logprob err mean {worst_mean:.4f} max {worst_max:.4f} "
+        f"tokens_equal={all(r['tokens_equal'] for r in report.values())} startup {result['startup_s']} s"
+    )
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_graph_mode_matches_transformers(mode, prefetch, runs, reference):
+    result = runs[(mode, prefetch, False)].result()
+    assert "error" not in result, result.get("error")
+    report = compare(result, reference)
+    print(summary((mode, prefetch, False), result, report))
+    if mode != "eager":  # vLLM turns the flag on for our architecture even when enforce_eager makes it moot
+        assert result["breakable"] == (mode == "breakable")
+    assert result["cudagraph_mode"] == EXPECTED_CUDAGRAPH_MODE[mode]
+    assert within_tolerance(report), report
+    first, second = result["prefix_cache"]
+    assert second["num_cached_tokens"] > first["num_cached_tokens"], "no prefix-cache hit"
+    for table in result["tables"]:
+        assert (table["device"], table["pinned"], table["dtype"]) == ("cpu", True, "int8"), table
+
+
+def test_broken_state_carry_is_caught(runs, reference):
+    """The same comparison on an engine whose PLE layers never carry state across steps must fail."""
+    result = runs[FAULT_RUN].result()
+    assert "error" not in result, result.get("error")
+    report = compare(result, reference)
+    print(summary(FAULT_RUN, result, report))
+    assert not within_tolerance(report), report

@@ -1,0 +1,123 @@
+"""One vLLM engine on a GPU in one CUDA-graph mode: run the parity scenarios, write the outputs as JSON.
+
+Run by `tests/test_vllm_gpu.py`, one subprocess per (mode, prefetch), because vLLM reads its graph settings
+(`VLLM_USE_BREAKABLE_CUDAGRAPH`, cached envs) once per process. The engine runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else.
+
+    python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+MODES = {
+    # vLLM 0.33's default for Qwen4Exp architectures: it turns breakable CUDA graphs on by itself.
+    "breakable": ({}, {}),
+    "full_and_piecewise": (
+        {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"},
+        {"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+    ),
+    "piecewise": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"compilation_config": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}),
+    "full_decode_only": (
+        {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"},
+        {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
+    ),
+    "eager": ({}, {"enforce_eager": True}),
+}
+# Settings that run on every vLLM 0.33 GPU install, including the Python-only engine of ../shared/gpu-vllm.
+PORTABLE = {"attention_config": {"backend": "TRITON_ATTN"}, "additional_config": {"gdn_prefill_backend": "triton"}}
+
+
+def engine_kwargs(mode: str) -> dict:
+    kwargs = {**PORTABLE, **MODES[mode][1]}
+    kwargs["compilation_config"] = {"custom_ops": ["none"], **kwargs.get("compilation_config", {})}
+    return kwargs
+
+
+def break_state_carry() -> None:
+    """Test-only fault: every step starts from a fresh PLE state (EOS n-gram context, zero conv window)."""
+    from qwen4_exp_hcu.model.ple import PLEBlock
+
+    batch = PLEBlock._batch
+
+    def without_initial_state(self, device):
+        b = batch(self, device)
+        return None if b is None else (b[0], b[1], b[2].zero_())
+
+    PLEBlock._batch = without_initial_state
+
+
+def top_logprobs(output) -> list[list[list[float]]]:
+    return [[[tok, lp.logprob] for tok, lp in step.items()] for step in output.logprobs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument("--fault", action="store_true")
+    args = parser.parse_args()
+
+    env, _ = MODES[args.mode]
+    os.environ.update(env)
+    os.environ["QWEN4_EXP_HCU_PREFETCH"] = "0" if args.no_prefetch else "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
+    if args.fault:
+        break_state_carry()
+
+    from scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, PROMPTS
+    from vllm import LLM, SamplingParams
+
+    from qwen4_exp_hcu.model.model import ple_storage_report
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args.checkpoint,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=256 << 20,  # fixed: several engines share the GPU in the test
+        seed=0,
+        **engine_kwargs(args.mode),
+    )
+    startup_s = time.monotonic() - t0
+    config = llm.llm_engine.vllm_config.compilation_config
+
+    def run(prompts, max_tokens=MAX_NEW_TOKENS):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            {"tokens": list(o.outputs[0].token_ids), "logprobs": top_logprobs(o.outputs[0]),
+             "num_cached_tokens": o.num_cached_tokens or 0}
+            for o in outs
+        ]  # fmt: skip
+
+    result = {
+        "mode": args.mode,
+        "prefetch": not args.no_prefetch,
+        "fault": args.fault,
+        "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+        "cudagraph_mode": str(config.cudagraph_mode.name),
+        "compilation_mode": str(config.mode.name),
+        "startup_s": round(startup_s, 1),
+        "one_at_a_time": [run([p])[0] for p in PROMPTS],
+        "concurrent": run(PROMPTS),
+        "prefix_cache": [run([PREFIX_PROMPT], 8)[0] for _ in range(2)],
+        "tables": llm.apply_model(ple_storage_report)[0]["now"],
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow interpreter teardown; the result is written
+
+
+if __name__ == "__main__":
+    main()
