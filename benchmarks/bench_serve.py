@@ -1,0 +1,221 @@
+"""Serving throughput of one checkpoint in vLLM, every PLE table placement side by side, on one GPU.
+
+A synthetic Qwen4Exp written by our own checkpoint writer (`qwen4_exp_hcu.tiny`) with the real per-layer
+shapes (hidden 2048, hc 4, PLE 16 heads x 128 over a ~2 GB INT8 table) and a few layers/experts, served
+by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per variant, one after the other:
+  host_int8          our class, INT8 tables in pinned host memory, lookup prefetched on a side stream
+  host_int8_serial   the same, `QWEN4_EXP_HCU_PREFETCH=0` (lookup inside the PLE layer)
+  gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
+  vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
+  vllm_gpu_bf16      vLLM's own class, BF16 tables in GPU memory
+Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
+run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes.
+A variant whose engine does not start is reported with its error.
+
+    python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {
+    "host_int8": ({}, {}, "int8"),
+    "host_int8_serial": ({"QWEN4_EXP_HCU_PREFETCH": "0"}, {}, "int8"),
+    "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
+    "vllm_host_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {}, "bf16"),
+    "vllm_gpu_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"engram_config": {"cpu_offload": False}}, "bf16"),
+}
+# Real per-layer shapes (hidden, hc, PLE head geometry); depth, experts and vocab cut to fit the time.
+MODEL = dict(
+    vocab_size=32000, hidden_size=2048, hc_count=4, hc_lowrank=32, num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+    ple_layer_ids=[2], ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=1_000_000, split_ngram_parts=64,
+    indexer_head_dim=128, indexer_budget=32768, max_position_embeddings=32768,
+)  # fmt: skip
+DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
+PREFILL_LENGTHS = (4096, 16384)
+MAX_MODEL_LEN = 20480
+ENGINE = dict(
+    dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16384, max_num_seqs=256,
+    enable_prefix_caching=False, kv_cache_memory_bytes=8 << 30, seed=0,
+    attention_config={"backend": "TRITON_ATTN"}, additional_config={"gdn_prefill_backend": "triton"},
+    compilation_config={"custom_ops": ["none"]},
+)  # fmt: skip
+
+
+def tensor_bytes(model) -> dict:
+    """GPU bytes of every parameter/buffer plus PLE tables by device (tables are not parameters)."""
+    import torch
+
+    gpu = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t.is_cuda)
+    tables = {"gpu": 0, "host": 0}
+    from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
+
+    if isinstance(model, Qwen4ExpForCausalLM):
+        for t in model.ple_storage():
+            tables["host" if t["device"] == "cpu" else "gpu"] += t["bytes"]
+    else:  # vLLM's own class keeps its tables as parameters or plain tensors: count what is on the host
+        host = [t for t in [*model.parameters(), *model.buffers()] if not t.is_cuda]
+        tables["host"] = sum(t.numel() * t.element_size() for t in host)
+    return {"gpu_weights": gpu + tables["gpu"], "ple_gpu": tables["gpu"], "ple_host": tables["host"],
+            "cuda_allocated": torch.cuda.memory_allocated()}  # fmt: skip
+
+
+def worker(variant: str, checkpoint: str, out: str) -> None:
+    env, engine, _ = VARIANTS[variant]
+    os.environ.update(env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(model=checkpoint, **ENGINE, **engine)
+    startup = time.monotonic() - t0
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(prompts, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    rand = lambda n: torch.randint(3, MODEL["vocab_size"], (n,), generator=gen).tolist()  # noqa: E731
+    timed([rand(DECODE_PROMPT) for _ in range(8)], 8)  # warm-up
+    decode = {}
+    for b in DECODE_BATCHES:
+        prompts = [rand(DECODE_PROMPT) for _ in range(b)]
+        prefill_only = timed(prompts, 1)
+        full = timed(prompts, 1 + DECODE_TOKENS)
+        decode[b] = b * DECODE_TOKENS / (full - prefill_only)
+    prefill = {n: n / timed([rand(n)], 1) for n in PREFILL_LENGTHS}
+    result = {
+        "variant": variant, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+        "bytes": llm.apply_model(tensor_bytes)[0],
+        "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
+        "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+    }  # fmt: skip
+    Path(out).write_text(json.dumps(result))
+    os._exit(0)  # skip vLLM's interpreter teardown
+
+
+def write_checkpoint(workdir: Path) -> tuple[Path, Path]:
+    from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
+
+    int8 = workdir / "bench-int8"
+    if not (int8 / "config.json").exists():
+        make_tiny_int8_checkpoint(int8, **MODEL)
+    return int8, int8.with_name(f"{int8.name}-bf16")
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "vllm", "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {k: r for k, r in results.items() if "error" not in r}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(ok), 1)
+    for ax, key, groups, title in (
+        (axes[0], "decode_tokens_per_s", DECODE_BATCHES, "decode tokens/s by batch"),
+        (axes[1], "prefill_tokens_per_s", PREFILL_LENGTHS, "prefill tokens/s by prompt length"),
+    ):
+        for i, (name, r) in enumerate(ok.items()):
+            ax.bar([g + i * width for g in range(len(groups))], [r[key][str(g)] for g in groups], width, label=name)
+        ax.set_xticks([g + width * (len(ok) - 1) / 2 for g in range(len(groups))], [str(g) for g in groups])
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("vLLM serving, one H200: PLE tables on host (INT8) vs GPU; synthetic Qwen4Exp, real PLE geometry")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_results(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    ratios = {}
+    for name in ("host_int8", "host_int8_serial"):
+        for ref in ("gpu_int8", "vllm_host_bf16"):
+            if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
+                ratios[f"{name}/{ref}"] = {
+                    b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
+                    for b in DECODE_BATCHES
+                }
+    doc = {"machine": versions(), "model": MODEL, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
+           "results": results, "decode_ratios": ratios}  # fmt: skip
+    (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
+    try:
+        plot(results, out / "bench_serve.png")
+    except ImportError:
+        print("matplotlib missing: draw the PNG later with --plot-only", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--workdir", default="/tmp/bench_serve")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+    parser.add_argument("--plot-only", action="store_true", help="draw the PNG from an existing JSON")
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.checkpoint, args.result)
+    if args.plot_only:
+        return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    int8, bf16 = write_checkpoint(workdir)
+    print(f"checkpoint written in {time.monotonic() - t0:.0f} s", flush=True)
+    results = {}
+    for name in args.variants:
+        checkpoint = int8 if VARIANTS[name][2] == "int8" else bf16
+        result = workdir / f"{name}.json"
+        cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        (workdir / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
+        if result.exists():
+            results[name] = json.loads(result.read_text())
+        else:
+            lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
+            results[name] = {"error": (lines[-1] if lines else str(log)[-500:]).strip()}
+        print(name, json.dumps(results[name]), flush=True)
+        write_results(results, Path(args.out))  # after every variant: a cut-off run keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
