@@ -52,6 +52,7 @@ MODEL = dict(
 DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
 PREFILL_LENGTHS = (4096, 16384)
 MAX_MODEL_LEN = 20480
+REPEATS = 3
 ENGINE = dict(
     dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16384, max_num_seqs=256,
     enable_prefix_caching=False, kv_cache_memory_bytes=8 << 30, seed=0,
@@ -89,27 +90,31 @@ def worker(variant: str, checkpoint: str, out: str) -> None:
     startup = time.monotonic() - t0
     gen = torch.Generator().manual_seed(0)
 
-    def timed(prompts, max_tokens):
+    def timed(prompts, max_tokens, repeats=REPEATS):
+        """Median wall time of `repeats` runs."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - t
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
 
     rand = lambda n: torch.randint(3, MODEL["vocab_size"], (n,), generator=gen).tolist()  # noqa: E731
     decode = {}
     for b in DECODE_BATCHES:
         prompts = [rand(DECODE_PROMPT) for _ in range(b)]
-        timed(prompts, 1 + DECODE_TOKENS)  # warm-up: breakable graphs are captured at a batch size's first use
+        timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
         prefill_only = timed(prompts, 1)
         full = timed(prompts, 1 + DECODE_TOKENS)
         decode[b] = b * DECODE_TOKENS / (full - prefill_only)
     prefill = {}
     for n in PREFILL_LENGTHS:
-        timed([rand(n)], 1)  # warm-up
+        timed([rand(n)], 1, repeats=1)  # warm-up
         prefill[n] = n / timed([rand(n)], 1)
     result = {
-        "variant": variant, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+        "variant": variant, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
         "bytes": llm.apply_model(tensor_bytes)[0],
         "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
         "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
