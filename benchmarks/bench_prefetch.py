@@ -22,6 +22,7 @@ import torch
 import triton
 
 from benchmarks.bench_lookup import bench_config
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
@@ -60,25 +61,20 @@ def main() -> None:
     results = {}
 
     for T in (int(t) for t in args.tokens.split(",")):
-        meta = (
-            torch.randint(0, 248_320, (T,), device="cuda"),
-            torch.tensor([0, T], device="cuda", dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int64, device="cuda"),
-            torch.zeros(1, 2, dtype=torch.int64, device="cuda"),
-            torch.zeros(1, dtype=torch.bool, device="cuda"),
-        )
+        batch = PLEBatch.from_lengths(torch.randint(0, 248_320, (T,), device="cuda"), [T], [0], [False])
+        state = PLEState.zeros(host.state_shapes(), 1, torch.bfloat16, "cuda")
         x = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
         def step(mode):
             h = x
             for li in range(args.layers):
                 if mode == "host + prefetch" and li + 1 in ple_layers:  # start before the preceding layer
-                    workspace.start(ple_layers.index(li + 1), *meta)
+                    workspace.handles[ple_layers.index(li + 1)].start(batch, state)
                 if li in ple_layers:
                     if mode == "host + prefetch":
-                        emb = workspace.wait(ple_layers.index(li))
+                        emb = workspace.handles[ple_layers.index(li)].wait()
                     else:
-                        emb = (gpu if mode == "GPU-resident" else host).lookup(*meta)
+                        emb = (gpu if mode == "GPU-resident" else host).lookup(batch, state)
                     h = h + (emb @ kv)[:, :HIDDEN]
                 h = torch.relu(h @ up) @ down
             return h
@@ -102,8 +98,8 @@ def main() -> None:
         results[T] = {m: {k: statistics.median(v) for k, v in times[m].items()} for m in modes}
         for mode in modes:
             print(f"T={T:6d} {mode:16s} eager {results[T][mode]['eager_ms']:8.3f} ms  graph {results[T][mode]['graph_ms']:8.3f} ms", flush=True)
-        results[T]["lookup_host_ms"] = triton.testing.do_bench(lambda: host.lookup(*meta))
-        results[T]["lookup_gpu_ms"] = triton.testing.do_bench(lambda: gpu.lookup(*meta))
+        results[T]["lookup_host_ms"] = triton.testing.do_bench(lambda: host.lookup(batch, state))
+        results[T]["lookup_gpu_ms"] = triton.testing.do_bench(lambda: gpu.lookup(batch, state))
         for kind in ("eager_ms", "graph_ms"):
             base = results[T]["GPU-resident"][kind]
             results[T][f"prefetch_overhead_vs_gpu_{kind[:-3]}"] = results[T]["host + prefetch"][kind] / base - 1

@@ -1,6 +1,6 @@
 """Plot the per-step ETP bytes and lookup times recorded by the multi-GPU NCCL tests.
 
-``tests/test_multi_gpu.py`` / ``tests/test_multi_gpu_4.py`` write ``benchmarks/results/etp_{2,4}gpu.json``
+``pytest -m multi_gpu --results-dir benchmarks/results tests/test_multi_gpu.py tests/test_multi_gpu_4.py`` writes ``benchmarks/results/etp_{2,4}gpu.json``
 when they run on GPUs; this draws them side by side (median over ranks) into ``etp.png``:
 ``python benchmarks/plot_etp.py``.
 """
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "etp.png")
     args = ap.parse_args()
     if not args.inputs:
-        raise SystemExit("no etp_*gpu.json: run `pytest -m multi_gpu` on GPUs first")
+        raise SystemExit("no etp_*gpu.json: run `pytest -m multi_gpu --results-dir benchmarks/results` on GPUs first")
     cases = load_cases(args.inputs)
     plot(cases, args.out)
     for case, steps in cases.items():

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
@@ -17,17 +18,13 @@ cfg = text_config_of(ckpt)
 layer = load_ple_layer(ckpt, cfg.ple_layer_ids[0], device=device, host_table=True, dtype=torch.bfloat16)
 print("table:", layer.table.describe())
 
-# two requests packed in one batch; each owns a state slot (n-gram context + short-conv window)
+# one step: two requests packed in one batch (5 and 3 tokens), each owning a state slot; both are new
 ids = torch.tensor([5, 6, cfg.eos_token_id, 8, 9, 10, 11, 12], device=device)
-qsl = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
-slots = torch.tensor([0, 1], device=device)
-ctx_shape, conv_shape = layer.state_shapes()
-ngram_state = torch.zeros(4, *ctx_shape, dtype=torch.int64, device=device)
-conv_state = torch.zeros(4, *conv_shape, dtype=torch.bfloat16, device=device)
-fresh = torch.tensor([False, False], device=device)
+batch = PLEBatch.from_lengths(ids, [5, 3], slot_ids=[0, 1], has_initial_state=[False, False])
+state = PLEState.zeros(layer.state_shapes(), slots=4, dtype=torch.bfloat16, device=device)  # n-gram context + conv window
 streams = torch.randn(len(ids), cfg.hc_count * cfg.hidden_size, dtype=torch.bfloat16, device=device)
 
-workspace = PrefetchWorkspace([layer], max_tokens=64, device=device)
-workspace.start(0, ids, qsl, slots, ngram_state, fresh)  # issue this before the preceding decoder layer
-out = layer(streams, ids, qsl, slots, ngram_state, conv_state, fresh, embeddings=workspace.wait(0))
-print("PLE output:", tuple(out.shape), out.dtype, "| n-gram context now:", ngram_state[:2].tolist())
+prefetch = PrefetchWorkspace([layer], max_tokens=64, device=device).handles[0]
+prefetch.start(batch, state)  # issue this before the preceding decoder layer
+out = layer(streams, batch, state, embeddings=prefetch.wait())
+print("PLE output:", tuple(out.shape), out.dtype, "| n-gram context now:", state.ngram[:2].tolist())

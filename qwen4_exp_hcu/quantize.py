@@ -23,7 +23,9 @@ from compressed_tensors.utils.match import match_name
 from safetensors import safe_open
 from tqdm import tqdm
 
-from qwen4_exp_hcu.ple.int8 import PLE_TARGET, SCALE_SUFFIX, ple_quantization_config, quantize_rows
+from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
+from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.int8_scheme import ple_quantization_config
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -41,7 +43,7 @@ _SOURCE_TABLE_DTYPES = ("BF16", "F32")
 def is_ple_table(tensor_name: str) -> bool:
     """True for a PLE table weight, judged by the same target the written config declares."""
     module, _, param = tensor_name.rpartition(".")
-    return param == "weight" and match_name(module, PLE_TARGET)
+    return param == "weight" and match_name(module, TABLE_TARGET)
 
 
 def _scale_name(weight_name: str) -> str:

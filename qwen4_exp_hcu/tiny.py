@@ -1,6 +1,6 @@
 """Tiny random Qwen4Exp checkpoints for tests and the demo.
 
-`python -m qwen4_exp_hcu.tiny DST [--int8] [--config CONFIG.json] [--seed 0]` writes a text-only
+`python -m qwen4_exp_hcu.tiny DST [--int8] [--config CONFIG.json] [--weight-seed 0]` writes a text-only
 `Qwen4ExpForCausalLM` with transformers' own `save_pretrained` (so the layout is exactly what transformers
 writes: sharded PLE tables, per-expert MoE weights) plus an offline word-level tokenizer. Weights are drawn
 with a fixed seed at a scale where greedy decoding is not degenerate (distinct prompts → distinct tokens);
@@ -103,17 +103,18 @@ def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator) -> N
 def make_tiny_checkpoint(
     dst: str | Path,
     config_path: str | Path = DEFAULT_CONFIG,
-    seed: int = 0,
+    weight_seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     **overrides,
 ) -> Path:
-    """Write a random tiny checkpoint (config, safetensors, tokenizer) to `dst` and return it."""
+    """Write a random tiny checkpoint (config, safetensors, tokenizer) to `dst` and return it.
+    `weight_seed` draws the weights; the config's own `seed` (an override) is the n-gram hash seed."""
     from transformers import Qwen4ExpForCausalLM
 
     config = load_config(config_path, **overrides)
-    torch.manual_seed(seed)
+    torch.manual_seed(weight_seed)
     model = Qwen4ExpForCausalLM(config)
-    randomize_(model, seed)
+    randomize_(model, weight_seed)
     model = model.to(dtype)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -124,13 +125,13 @@ def make_tiny_checkpoint(
 
 
 def make_tiny_int8_checkpoint(
-    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, seed: int = 0, **overrides
+    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, weight_seed: int = 0, **overrides
 ) -> Path:
     """BF16 checkpoint at `DST-bf16`, then the quantizer's INT8-PLE copy at `dst`; returns `dst`."""
     from qwen4_exp_hcu.quantize import quantize_checkpoint
 
     dst = Path(dst)
-    bf16 = make_tiny_checkpoint(dst.with_name(f"{dst.name}-bf16"), config_path, seed, **overrides)
+    bf16 = make_tiny_checkpoint(dst.with_name(f"{dst.name}-bf16"), config_path, weight_seed, **overrides)
     quantize_checkpoint(bf16, dst)
     return dst
 
@@ -143,7 +144,8 @@ def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.ple.int8 import SCALE_SUFFIX, dequantize_rows
+    from qwen4_exp_hcu.names import SCALE_SUFFIX
+    from qwen4_exp_hcu.ple.int8 import dequantize_rows
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -189,11 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output directory (the INT8 checkpoint when --int8 is given)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="JSON with Qwen4ExpTextConfig fields")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight-seed", type=int, default=0, help="draws the weights (the hash seed is the config's)")
     parser.add_argument("--int8", action="store_true", help="quantize the PLE tables (writes DST-bf16 first)")
     args = parser.parse_args(argv)
     make = make_tiny_int8_checkpoint if args.int8 else make_tiny_checkpoint
-    print(make(args.dst, args.config, args.seed))
+    print(make(args.dst, args.config, args.weight_seed))
 
 
 if __name__ == "__main__":

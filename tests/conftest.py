@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +7,21 @@ import torch
 # Triton kernels run on the CPU through the interpreter; must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--results-dir", default=None, metavar="DIR",
+        help="write the multi-GPU ETP tests' result JSON (etp_2gpu.json, etp_4gpu.json) into DIR, e.g. "
+        "benchmarks/results; without it nothing is written",
+    )
+
+
+@pytest.fixture
+def results_dir(request) -> Path | None:
+    """Where tests write result files (``--results-dir``); None: write nothing."""
+    d = request.config.getoption("--results-dir")
+    return None if d is None else Path(d)
 
 
 def pytest_collection_modifyitems(config, items):

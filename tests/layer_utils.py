@@ -3,6 +3,7 @@
 import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer
 
+from qwen4_exp_hcu.names import TABLE
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.layer import PLELayer
 
@@ -16,7 +17,7 @@ def make_pair(cfg, ple_index=1, quantized=False, seed=0, **kw):
         for p in hf.parameters():
             torch.nn.init.normal_(p, std=0.3)
     sd = dict(hf.state_dict())
-    table = sd.pop("ple_embedding.ngram_embedding.weight").to(torch.bfloat16)
+    table = sd.pop(f"{TABLE}.weight").to(torch.bfloat16)
     q, s = quantize_rows(table)
     if quantized:
         table = dequantize_rows(q, s)
@@ -25,18 +26,10 @@ def make_pair(cfg, ple_index=1, quantized=False, seed=0, **kw):
     n = -(-table.shape[0] // cfg.split_ngram_parts)
     for j in range(cfg.split_ngram_parts):
         rows = slice(j * n, (j + 1) * n)
-        name = f"ple_embedding.ngram_embedding.shard_{j}.weight"
+        name = f"{TABLE}.shard_{j}.weight"
         if quantized:
             sd[name], sd[name + "_scale"] = q[rows], s[rows]
         else:
             sd[name] = table[rows]
     ours = PLELayer.from_state_dict(cfg, ple_index, sd, quantized=quantized, dtype=torch.float32, **kw)
     return hf, ours
-
-
-def empty_state(layer, slots, dtype=torch.float32, device="cpu"):
-    ctx_shape, conv_shape = layer.state_shapes()
-    return (
-        torch.zeros(slots, *ctx_shape, dtype=torch.int64, device=device),
-        torch.zeros(slots, *conv_shape, dtype=dtype, device=device),
-    )

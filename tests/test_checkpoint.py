@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint
@@ -29,8 +30,8 @@ def test_layer_from_checkpoint_equals_transformers(checkpoints):
     ids = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         want = hf.model.layers[layer_id - 1].ple(hs, ids, None)[0]
-    ctx, conv = (torch.zeros(2, *s) for s in ours.state_shapes())
-    got = ours(hs[0], ids[0], torch.tensor([0, 9]), torch.tensor([1]), ctx.long(), conv, torch.tensor([False]))
+    state = PLEState.zeros(ours.state_shapes(), 2, torch.float32)
+    got = ours(hs[0], PLEBatch.from_lengths(ids[0], [9], [1], [False]), state)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 

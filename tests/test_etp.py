@@ -7,11 +7,12 @@ Topologies (rank = dp * TP + tp):
   ETP group of all 4; ranks of one DP replica hold the same tokens).
 Each runs prefill + decode steps with uneven token counts per DP rank (including ranks with zero tokens
 and a step where every rank has none), with prefetch off (``PLELayer.forward``) and on
-(``PrefetchWorkspace.start``/``wait`` -> ``forward(embeddings=...)``), with ``max_tokens`` not passed,
-passed exactly, and padded to the workspace capacity. Every output and every state tensor after every
-step must equal, bit for bit, the single-process reference (a ``PLELayer`` with group None over the same
-weights): each table row is owned by exactly one rank, so the bf16 sum adds a value to zeros (exact), and
-everything downstream runs the same ops on the same shapes in the same process. No tolerance is needed.
+(``PrefetchWorkspace.handles[i].start``/``wait`` -> ``forward(embeddings=...)``), with the batch's
+``max_tokens`` not set, set exactly, and padded to the workspace capacity. Every output and every state
+tensor after every step must equal, bit for bit, the single-process reference (a ``PLELayer`` with group
+None over the same weights): each table row is owned by exactly one rank, so the bf16 sum adds a value to
+zeros (exact), and everything downstream runs the same ops on the same shapes in the same process. No
+tolerance is needed.
 
 Workers run every case inside one spawn per world size (process start + imports dominate the time).
 """
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CountingGroup, compare_steps, init_process_group, qsl_of, random_ple_state_dict, spawn_workers, write_result
+from dist_utils import CountingGroup, Topology, compare_steps, init_process_group, random_ple_state_dict, spawn_workers, write_result
 from ple_configs import EOS, tiny_text_config
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup, owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
@@ -71,7 +74,8 @@ def _build(cfg, sds, group, across):
     ]
 
 
-def _step_inputs(cfg, dp, step):
+def _step_inputs(cfg, dp, step) -> tuple[PLEBatch, list[torch.Tensor]]:
+    """Step `step` of replica `dp`: its batch (max_tokens not set) and each layer's hidden states."""
     reqs = SCHEDULES[dp][step]
     g = torch.Generator().manual_seed(100 * dp + step)
     T = sum(n for _, n, _ in reqs)
@@ -79,40 +83,26 @@ def _step_inputs(cfg, dp, step):
     if (dp, step) == (0, 0):
         ids[3] = EOS  # an n-gram boundary inside a prompt
     C = cfg.hidden_size * cfg.hc_count
-    return {
-        "ids": ids,
-        "qsl": qsl_of([n for _, n, _ in reqs]),
-        "slots": torch.tensor([s for s, _, _ in reqs], dtype=torch.int64),
-        "init": torch.tensor([h for _, _, h in reqs], dtype=torch.bool),
-        "hs": [torch.randn(T, C, generator=g) for _ in LAYERS],
-    }
+    hs = [torch.randn(T, C, generator=g) for _ in LAYERS]
+    return PLEBatch.from_lengths(ids, [n for _, n, _ in reqs], [s for s, _, _ in reqs], [h for _, _, h in reqs]), hs
 
 
 def _run_steps(cfg, layers, dp, prefetch, mt_mode):
-    """All steps of replica `dp` from empty state: [(outputs per layer, (ngram, conv) states per layer)]."""
-    states = []
-    for layer in layers:
-        (ctx_shape, conv_shape) = layer.state_shapes()
-        states.append((torch.zeros(SLOTS, *ctx_shape, dtype=torch.int64), torch.zeros(SLOTS, *conv_shape)))
+    """All steps of replica `dp` from empty state: [(outputs per layer, `PLEState` per layer)]."""
+    states = [PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32) for layer in layers]
     ws = PrefetchWorkspace(layers, CAP, "cpu") if prefetch else None
     record = []
     for step in range(NSTEPS):
-        x = _step_inputs(cfg, dp, step)
-        mt = {None: None, "exact": MAX_T[step], "padded": CAP}[mt_mode]
-        look = lambda i: (x["ids"], x["qsl"], x["slots"], states[i][0], x["init"])  # noqa: E731
+        batch, hs = _step_inputs(cfg, dp, step)
+        batch = replace(batch, max_tokens={None: None, "exact": MAX_T[step], "padded": CAP}[mt_mode])
         if prefetch:  # all lookups issued first, as before the preceding decoder layers
-            for i in range(len(layers)):
-                ws.start(i, *look(i), max_tokens=mt)
+            for handle, state in zip(ws.handles, states):
+                handle.start(batch, state)
         outs = []
         for i, layer in enumerate(layers):
-            if prefetch:
-                emb = ws.wait(i)
-            elif mt is not None:  # forward() takes no max_tokens: look up first, pass the embeddings
-                emb = layer.lookup(*look(i), max_tokens=mt)
-            else:
-                emb = None
-            outs.append(layer(x["hs"][i], x["ids"], x["qsl"], x["slots"], *states[i], x["init"], embeddings=emb))
-        record.append((outs, [(a.clone(), b.clone()) for a, b in states]))
+            emb = ws.handles[i].wait() if prefetch else None  # None: forward looks up (with batch.max_tokens)
+            outs.append(layer(hs[i], batch, states[i], embeddings=emb))
+        record.append((outs, [s.clone() for s in states]))
     return record
 
 
@@ -134,11 +124,11 @@ def _expected_bytes(layer, dp, mt_mode):
 def _topologies(rank, world):
     if world == 2:
         everyone = TorchGroup()
-        return [("tp2", everyone, False, 0), ("dp2", None, False, rank), ("dp2_across", everyone, True, rank)]
+        return [Topology("tp2", everyone, False, 0), Topology("dp2", None, False, rank), Topology("dp2_across", everyone, True, rank)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every subgroup, same order
     return [
-        ("tp2xdp2", TorchGroup(pairs[rank // 2]), False, rank // 2),
-        ("tp2xdp2_across", TorchGroup(), True, rank // 2),
+        Topology("tp2xdp2", TorchGroup(pairs[rank // 2]), False, rank // 2),
+        Topology("tp2xdp2_across", TorchGroup(), True, rank // 2),
     ]
 
 
@@ -147,10 +137,11 @@ def _capacity_error_case(cfg, layers, rank, counting, failures):
     start() before any collective (so none is left waiting in one)."""
     ws = PrefetchWorkspace(layers, CAP, "cpu")
     T = CAP + 1 if rank == 0 else 1
-    ids, state = torch.randint(0, cfg.vocab_size, (T,)), torch.zeros(SLOTS, layers[0].spec.context_len, dtype=torch.int64)
+    batch = PLEBatch.from_lengths(torch.randint(0, cfg.vocab_size, (T,)), [T], [0], [False])
+    state = PLEState.zeros(layers[0].state_shapes(), SLOTS, torch.float32)
     calls = len(counting.calls)
     try:
-        ws.start(0, ids, qsl_of([T]), torch.tensor([0]), state, torch.tensor([False]), max_tokens=CAP + 1)
+        ws.handles[0].start(replace(batch, max_tokens=CAP + 1), state)
         failures.append(f"rank {rank}: start() with max_tokens={CAP + 1} > capacity {CAP} did not raise")
     except ValueError as e:
         if "capacity" not in str(e):
@@ -159,7 +150,7 @@ def _capacity_error_case(cfg, layers, rank, counting, failures):
         failures.append(f"rank {rank}: capacity error after a collective: {counting.calls[calls:]}")
     # without max_tokens the ranks exchange counts first, then every rank raises (none is left waiting)
     try:
-        ws.start(0, ids, qsl_of([T]), torch.tensor([0]), state, torch.tensor([False]))
+        ws.handles[0].start(batch, state)
         failures.append(f"rank {rank}: start() without max_tokens did not raise although rank 0 is over capacity")
     except ValueError as e:
         if "capacity" not in str(e):
@@ -170,27 +161,30 @@ def _empty_batch_lookup(cfg, layers, refs, dp, label, failures):
     """lookup() of a rank with no requests at all (B = 0, T = 0) beside a rank with tokens."""
     T = 3 if dp == 0 else 0
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(7))
-    args = (ids, qsl_of([T] if T else []), torch.arange(1 if T else 0), torch.zeros(SLOTS, 2, dtype=torch.int64), torch.zeros(1 if T else 0, dtype=torch.bool))
-    got, want = layers[0].lookup(*args), refs[0].lookup(*args)
+    batch = PLEBatch.from_lengths(ids, [T] if T else [], [0] if T else [], [False] if T else [])
+    state = PLEState.zeros(layers[0].state_shapes(), SLOTS, torch.float32)
+    got, want = layers[0].lookup(batch, state), refs[0].lookup(batch, state)
     if not torch.equal(got, want):
         failures.append(f"{label}: lookup with an empty batch on DP rank 1 differs")
 
 
 def _rows_fewer_than_ranks(rank, world, failures):
-    """A 3-row table over an ETP group of 4: rank 3 owns no rows and must still take part."""
+    """A 3-row table over an ETP group of 4: rank 3 owns no rows and must still take part. Returns the row
+    range of the table ETPLookup built, per across_dp."""
     group = TorchGroup()
-    start, end = owned_rows(3, rank, world)
     full = torch.randn(3, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    table = PLETable(3, 4, start=start, end=end, quantized=False)
-    table.load_shard(0, full)
-    table.check_loaded()
+    ranges = []
     for across in (False, True):
+        etp = ETPLookup(3, 4, group, across, quantized=False)
+        ranges.append([etp.table.start, etp.table.end])
+        etp.table.load_shard(0, full)
+        etp.table.check_loaded()
         n = [2, 1, 3, 0][rank] if across else 3
         ids = torch.randint(0, 3, (n, 2), generator=torch.Generator().manual_seed(rank if across else 0))
-        got = ETPLookup(table, group, across)(ids)
+        got = etp(ids)
         if not torch.equal(got, gather_dequant_reference(ids, full, None, 0)):
             failures.append(f"rows < ranks, across_dp={across}: rank {rank} lookup differs")
-    return [start, end]
+    return ranges
 
 
 def _etp_worker(rank, world, tmp, weights_path):
@@ -202,9 +196,10 @@ def _etp_worker(rank, world, tmp, weights_path):
     failures = result["failures"]
     refs = _build(cfg, sds, None, False)
     ref_runs = {dp: _run_steps(cfg, refs, dp, False, None) for dp in range(len(SCHEDULES))}
-    for name, group, across, dp in _topologies(rank, world):
+    for topo in _topologies(rank, world):
+        name, group, dp = topo.name, topo.group, topo.dp
         counting = CountingGroup(group) if group is not None else None
-        layers = _build(cfg, sds, counting, across)
+        layers = _build(cfg, sds, counting, topo.across_dp)
         case = result["cases"][name] = {
             "dp": dp,
             "rows": [[l.table.start, l.table.end, l.spec.rows] for l in layers],
@@ -215,8 +210,8 @@ def _etp_worker(rank, world, tmp, weights_path):
             for l in layers:
                 if (l.table.start, l.table.end) != owned_rows(l.spec.rows, group.rank_in_group, group.world_size):
                     failures.append(f"{name}: rank {rank} owns [{l.table.start}, {l.table.end})")
-            x = _step_inputs(cfg, dp, FIRST_PREFILL[dp])
-            rows = ngram_ids(layers[0].spec, x["ids"], x["qsl"], torch.full((len(x["slots"]), 2), EOS))
+            batch, _ = _step_inputs(cfg, dp, FIRST_PREFILL[dp])
+            rows = ngram_ids(layers[0].spec, batch.input_ids, batch.query_start_loc, torch.full((batch.num_requests, 2), EOS))
             owned = (rows >= layers[0].table.start) & (rows < layers[0].table.end)
             case["owned_fraction"] = owned.float().mean().item()
             if bool(owned.all()):
@@ -236,7 +231,7 @@ def _etp_worker(rank, world, tmp, weights_path):
                 if moved != want:
                     failures.append(f"{label}: combine moved {moved} B, bytes_per_token predicts {want} B")
                 case["runs"].append({"prefetch": prefetch, "max_tokens": mt_mode, "bytes": moved})
-        if across:
+        if topo.across_dp:
             _capacity_error_case(cfg, layers, rank, counting, failures)
             _empty_batch_lookup(cfg, layers, refs, dp, name, failures)
     if world == 4:
@@ -276,7 +271,8 @@ def test_etp_matches_single_process(world, weights, tmp_path):
     across = rows["dp2_across" if world == 2 else "tp2xdp2_across"]
     assert [r[:2] for r in across] == [list(owned_rows(n, k, world)) for k in range(world)]
     if world == 4:
-        assert [r["rows_fewer_than_ranks"] for r in results] == [[0, 1], [1, 2], [2, 3], [3, 3]]
+        # the table each rank's ETPLookup built, with across_dp off and on
+        assert [r["rows_fewer_than_ranks"] for r in results] == [[[0, 1]] * 2, [[1, 2]] * 2, [[2, 3]] * 2, [[3, 3]] * 2]
 
 
 class FakeGroup:
@@ -291,17 +287,34 @@ class FakeGroup:
     all_reduce = all_gather = reduce_scatter = _no
 
 
-def test_etp_rejects_a_table_of_another_rank():
+def test_etp_builds_the_table_of_its_rank():
+    """ETPLookup builds its rank's table itself: the rows `owned_rows` gives that rank, nothing else (no
+    collective while building); a group of one is no group."""
     rows, dim = 10, 4
-    half = PLETable(rows, dim, start=0, end=5, quantized=False)
-    ETPLookup(half, FakeGroup(0, 2))  # the right range
-    with pytest.raises(ValueError, match=r"rows \[0, 5\) but ETP rank 1 of 2 should own \[5, 10\)"):
-        ETPLookup(half, FakeGroup(1, 2))
-    with pytest.raises(ValueError, match=r"should own \[0, 10\)"):
-        ETPLookup(half, None)  # no group: the whole table
-    whole = PLETable(rows, dim, quantized=False)
-    with pytest.raises(ValueError, match=r"should own \[0, 4\)"):
-        ETPLookup(whole, FakeGroup(0, 3), across_dp=True)
+    cases = [  # (group, across_dp, the rows the table must own)
+        (FakeGroup(0, 2), False, (0, 5)),
+        (FakeGroup(1, 2), False, (5, 10)),
+        (None, False, (0, 10)),  # no group: the whole table
+        (FakeGroup(0, 3), True, (0, 4)),
+        (FakeGroup(2, 3), True, (7, 10)),
+        (FakeGroup(0, 1), True, (0, 10)),  # a group of one: the whole table
+    ]
+    for group, across, want in cases:
+        etp = ETPLookup(rows, dim, group, across_dp=across, quantized=False)
+        rank, world = (group.rank_in_group, group.world_size) if group is not None else (0, 1)
+        assert (etp.table.start, etp.table.end) == want == owned_rows(rows, rank, world), (rank, world)
+        assert (etp.table.rows, etp.table.dim) == (rows, dim)
+        assert etp.table.weight.shape == (want[1] - want[0], dim) and etp.table.weight.dtype == torch.bfloat16
+        assert etp.across_dp == (across and world > 1)
+        assert (etp.group is None) == (world == 1)
+    # the PLETable keywords reach the table
+    q = ETPLookup(rows, dim, FakeGroup(1, 2), quantized=True, shard_rows=3)
+    assert (q.table.start, q.table.end, q.table.shard_rows, q.table.weight.dtype) == (5, 10, 3, torch.int8)
+    # a layer's table is its ETPLookup's, over its rank's rows
+    cfg = tiny_text_config()
+    layer = PLELayer(cfg, 0, etp_group=FakeGroup(1, 2), dtype=torch.float32)
+    assert layer.table is layer.etp.table
+    assert (layer.table.start, layer.table.end) == owned_rows(layer.spec.rows, 1, 2)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 5, 1376])
@@ -327,17 +340,17 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
 
 def test_bytes_per_token_hand_computed():
     """The numbers the multi-process test checks against what its collectives move, and the real scale."""
-    small = {(w, a): ETPLookup(PLETable(64, 8, start=0, end=owned_rows(64, 0, w)[1], quantized=False), FakeGroup(0, w), a) for w in (2, 4) for a in (False, True)}
+    small = {(w, a): ETPLookup(64, 8, FakeGroup(0, w), a, quantized=False) for w in (2, 4) for a in (False, True)}
     assert small[2, False].bytes_per_token(4) == 64  # all-reduce: 2*(2-1)/2 * 4*8*2 B
     assert small[2, True].bytes_per_token(4) == 96  # 1 * 4 ids * 8 B + 1 * 64 B
     assert small[4, False].bytes_per_token(4) == 96  # 2*3/4 * 64 B
     assert small[4, True].bytes_per_token(4) == 288  # 3*32 + 3*64
-    assert ETPLookup(PLETable(64, 8, quantized=False), None).bytes_per_token(4) == 0
+    assert ETPLookup(64, 8, None, quantized=False).bytes_per_token(4) == 0
     # real model: 16 heads x d=128 (4 KiB bf16 per token); TP4 all-reduce, and TP4 x DP2 across DP
     rows = 1 << 20
-    tp4 = ETPLookup(PLETable(rows, 128, start=0, end=owned_rows(rows, 0, 4)[1], device="meta"), FakeGroup(0, 4))
+    tp4 = ETPLookup(rows, 128, FakeGroup(0, 4), device="meta")
     assert tp4.bytes_per_token(16) == 2 * 3 * 4096 // 4 == 6144
-    x8 = ETPLookup(PLETable(rows, 128, start=0, end=owned_rows(rows, 0, 8)[1], device="meta"), FakeGroup(0, 8), True)
+    x8 = ETPLookup(rows, 128, FakeGroup(0, 8), True, device="meta")
     assert x8.bytes_per_token(16) == 7 * 16 * 8 + 7 * 4096 == 29568
 
 
@@ -345,28 +358,27 @@ def test_capacity_and_max_tokens_errors_come_before_any_collective():
     cfg = tiny_text_config()
     layer = PLELayer(cfg, 0, etp_group=FakeGroup(0, 2), across_dp=True, dtype=torch.float32)
     ws = PrefetchWorkspace([layer], 4, "cpu")
-    state, init = torch.zeros(SLOTS, 2, dtype=torch.int64), torch.tensor([False])
+    state = PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32)
 
-    def start(T, **kw):
-        ws.start(0, torch.randint(0, 97, (T,)), qsl_of([T]), torch.tensor([0]), state, init, **kw)
+    def batch(T, ids=None, max_tokens=None):
+        ids = torch.randint(0, 97, (T,)) if ids is None else ids
+        return PLEBatch.from_lengths(ids, [T], [0], [False], max_tokens=max_tokens)
 
     with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
-        start(5, max_tokens=5)  # this rank over capacity
+        ws.handles[0].start(batch(5, max_tokens=5), state)  # this rank over capacity
     with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
-        start(2, max_tokens=5)  # another DP rank over capacity: every rank knows from max_tokens
+        ws.handles[0].start(batch(2, max_tokens=5), state)  # another DP rank over capacity: every rank knows from max_tokens
     with pytest.raises(ValueError, match="holds 3 tokens, more than max_tokens=2"):
-        layer.lookup(torch.randint(0, 97, (3,)), qsl_of([3]), torch.tensor([0]), state, init, max_tokens=2)
+        layer.lookup(batch(3, max_tokens=2), state)
     solo = PLELayer(cfg, 0, dtype=torch.float32)  # no group: the capacity still holds
     with pytest.raises(ValueError, match="capacity"):
-        PrefetchWorkspace([solo], 4, "cpu").start(0, torch.zeros(5, dtype=torch.int64), qsl_of([5]), torch.tensor([0]), state, init)
+        PrefetchWorkspace([solo], 4, "cpu").handles[0].start(batch(5, ids=torch.zeros(5, dtype=torch.int64)), state)
 
 
 def test_forward_with_no_requests():
     cfg = tiny_text_config()
     layer = PLELayer(cfg, 0, dtype=torch.float32)
-    ctx, conv = (torch.zeros(SLOTS, *s) for s in layer.state_shapes())
-    out = layer(
-        torch.zeros(0, cfg.hidden_size * cfg.hc_count), torch.zeros(0, dtype=torch.int64), qsl_of([]),
-        torch.zeros(0, dtype=torch.int64), ctx.long(), conv, torch.zeros(0, dtype=torch.bool),
-    )
+    state = PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32)
+    batch = PLEBatch.from_lengths(torch.zeros(0, dtype=torch.int64), [], [], [])
+    out = layer(torch.zeros(0, cfg.hidden_size * cfg.hc_count), batch, state)
     assert out.shape == (0, cfg.hidden_size * cfg.hc_count)

@@ -1,14 +1,13 @@
-"""N-gram hash: parity with transformers, Triton kernel vs torch reference, chunking, bad config."""
+"""N-gram hash (`ple.hashing`): parity with transformers, chunking, checkpoint buffers, bad config."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
 from ple_configs import EOS, tiny_text_config
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, next_ngram_context, ngram_ids_reference
+from steps import pack, random_prompts
 
 
 def hf_ids(cfg, ple_index, prompts):
@@ -23,22 +22,6 @@ def hf_ids(cfg, ple_index, prompts):
         e = emb(torch.tensor([p]), None)[0].view(len(p), spec.num_heads, spec.head_dim)
         out.append(e[:, :, 0].round().long())
     return out
-
-
-def pack(prompts):
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-    qsl = torch.tensor([0] + [len(p) for p in prompts]).cumsum(0).to(torch.int32)
-    return ids, qsl
-
-
-def random_prompts(gen, n, max_len, vocab=97, eos_rate=0.15):
-    lens = torch.randint(1, max_len + 1, (n,), generator=gen).tolist()
-    prompts = []
-    for length in lens:
-        p = torch.randint(0, vocab, (length,), generator=gen)
-        p[torch.rand(length, generator=gen) < eos_rate] = EOS
-        prompts.append(p.tolist())
-    return prompts
 
 
 @pytest.mark.parametrize("ngram_size", [2, 3, 4])
@@ -80,27 +63,6 @@ def test_chunked_prefill_equals_one_shot():
             done[r] += len(chunks[r])
         ctx = next_ngram_context(spec, c_ids, c_qsl, ctx)
     assert torch.equal(torch.cat([torch.cat(g) for g in got]), full)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    ngram_size=st.integers(2, 5),
-    per=st.integers(1, 8),
-    seed=st.integers(0, 2**31 - 1),
-    n_req=st.integers(1, 6),
-    block_t=st.sampled_from([16, 64]),
-)
-def test_triton_hash_matches_reference(ngram_size, per, seed, n_req, block_t):
-    cfg = tiny_text_config(ngram_size=ngram_size, heads_per_ngram=per)
-    spec = NgramHashSpec.from_config(cfg, 1)
-    gen = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(gen, n_req, 40)
-    ids, qsl = pack(prompts)
-    ctx = torch.randint(0, 97, (n_req, ngram_size - 1), generator=gen)
-    ctx[torch.rand(ctx.shape, generator=gen) < 0.3] = EOS
-    ref = ngram_ids_reference(spec, ids, qsl, ctx)
-    assert torch.equal(ngram_hash(spec, ids, qsl, ctx, block_t=block_t), ref)
-    assert ref.min() >= 0 and ref.max() < spec.rows
 
 
 def test_checkpoint_buffers_checked():

@@ -4,19 +4,19 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from layer_utils import empty_state, make_pair
+from layer_utils import make_pair
 from ple_configs import EOS, tiny_text_config
-from qwen4_exp_hcu.kernels.state_scatter import scatter_rows, scatter_rows_reference
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
 ATOL = 2e-5
 
 
-def qsl_of(lens):
-    return torch.tensor([0] + list(lens)).cumsum(0).to(torch.int32)
+def empty_state(layer, slots, dtype=torch.float32, device="cpu"):
+    return PLEState.zeros(layer.state_shapes(), slots, dtype, device)
 
 
 def run(layer, hs, ids, lens, slots, state, has_init):
-    return layer(hs, ids, qsl_of(lens), torch.tensor(slots), *state, torch.tensor(has_init))
+    return layer(hs, PLEBatch.from_lengths(ids, lens, slots, has_init), state)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -76,45 +76,38 @@ def test_padding_never_touches_a_real_request_in_slot_0():
     run(ours, x0, t0, [5], [0], alone, [False])
     # same request in slot 0, beside two padding requests (slot -1) and 3 padding tokens past qsl[-1]
     padded = empty_state(ours, 4)
-    for s in padded:
+    for s in (padded.ngram, padded.conv):
         s[1:].fill_(7)  # other slots hold data that must stay as it is
-    before = [s.clone() for s in padded]
+    before = padded.clone()
     hs = torch.cat([x0, torch.randn(2 + 3, C)])
     ids = torch.cat([t0, torch.randint(0, 97, (5,))])
     out = run(ours, hs, ids, [5, 1, 1], [0, -1, -1], padded, [False, True, True])
-    assert torch.equal(padded[0][0], alone[0][0])
-    torch.testing.assert_close(padded[1][0], alone[1][0], atol=ATOL, rtol=0)  # matmuls of other sizes round differently
-    for s, b in zip(padded, before):
+    assert torch.equal(padded.ngram[0], alone.ngram[0])
+    torch.testing.assert_close(padded.conv[0], alone.conv[0], atol=ATOL, rtol=0)  # matmuls of other sizes round differently
+    for s, b in ((padded.ngram, before.ngram), (padded.conv, before.conv)):
         assert torch.equal(s[1:], b[1:])
     assert torch.isfinite(out).all()
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_state_scatter_kernel_matches_reference(seed):
-    g = torch.Generator().manual_seed(seed)
-    dst = torch.randn(6, 3, 5, generator=g)
-    slots = torch.tensor([4, -1, 0, -1, 2, 9])  # padding and an out-of-range slot write nothing
-    src = torch.randn(6, 3, 5, generator=g)
-    assert torch.equal(scatter_rows(dst.clone(), slots, src), scatter_rows_reference(dst.clone(), slots, src))
 
 
 def test_bad_inputs_named():
     cfg = tiny_text_config()
     _, ours = make_pair(cfg)
     C = cfg.hidden_size * cfg.hc_count
-    ctx, conv = empty_state(ours, 2)
+    state = empty_state(ours, 2)
+    ctx, conv = state.ngram, state.conv
     hs, ids = torch.randn(4, C), torch.randint(0, 97, (4,))
-    qsl, slots, init = qsl_of([4]), torch.tensor([0]), torch.tensor([False])
+    batch = PLEBatch.from_lengths(ids, [4], [0], [False])
+    qsl, slots, init = batch.query_start_loc, batch.slot_ids, batch.has_initial_state
     cases = [
-        ((hs, ids, qsl, slots, ctx.int(), conv, init), "ngram_state"),
-        ((hs, ids, qsl, slots, ctx, conv[:, :2], init), "conv_state"),
-        ((hs, ids, qsl, slots, ctx, conv.double(), init), "conv_state"),
-        ((hs, ids, qsl, slots, ctx, conv, init.int()), "has_initial_state"),
-        ((hs, ids[:3], qsl, slots, ctx, conv, init), "input_ids"),
-        ((hs, ids, torch.tensor([0, 5]), slots, ctx, conv, init), "query_start_loc"),
-        ((hs, ids, torch.tensor([0, 3, 2]), torch.tensor([0, 1]), ctx, conv, torch.tensor([False, False])), "non-decreasing"),
-        ((hs, ids, qsl, torch.tensor([2]), ctx, conv, init), "slot_ids"),
-        ((hs[:, :-1], ids, qsl, slots, ctx, conv, init), "hc\\*hidden"),
+        ((hs, batch, PLEState(ctx.int(), conv)), "ngram_state"),
+        ((hs, batch, PLEState(ctx, conv[:, :2])), "conv_state"),
+        ((hs, batch, PLEState(ctx, conv.double())), "conv_state"),
+        ((hs, PLEBatch(ids, qsl, slots, init.int()), state), "has_initial_state"),
+        ((hs, PLEBatch(ids[:3], qsl, slots, init), state), "input_ids"),
+        ((hs, PLEBatch(ids, torch.tensor([0, 5]), slots, init), state), "query_start_loc"),
+        ((hs, PLEBatch(ids, torch.tensor([0, 3, 2]), torch.tensor([0, 1]), torch.tensor([False, False])), state), "non-decreasing"),
+        ((hs, PLEBatch(ids, qsl, torch.tensor([2]), init), state), "slot_ids"),
+        ((hs[:, :-1], batch, state), "hc\\*hidden"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -151,6 +144,17 @@ def test_gpu_layer_with_host_table_matches_cpu():
     for step, lens in enumerate([[6, 3], [1, 1], [2, 1]]):
         hs, ids = torch.randn(sum(lens), C), torch.randint(0, 97, (sum(lens),))
         a = run(cpu, hs, ids, lens, [1, 3], st_c, [step > 0] * 2)
-        b = gpu(hs.cuda(), ids.cuda(), qsl_of(lens).cuda(), torch.tensor([1, 3]).cuda(), *st_g, torch.tensor([step > 0] * 2).cuda())
+        b = run(gpu, hs.cuda(), ids.cuda(), lens, [1, 3], st_g, [step > 0] * 2)
         torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4)
-        assert torch.equal(st_g[0].cpu(), st_c[0])
+        assert torch.equal(st_g.ngram.cpu(), st_c.ngram)
+
+
+def test_standalone_layer_imports_no_config_parsers():
+    """Notebooks import the layer without vLLM, pydantic or compressed-tensors (config parsing lives elsewhere)."""
+    import subprocess
+    import sys
+
+    code = "import sys, qwen4_exp_hcu.ple.layer, qwen4_exp_hcu.ple.prefetch; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for heavy in ("vllm", "pydantic", "compressed_tensors"):
+        assert f"'{heavy}'" not in loaded, heavy

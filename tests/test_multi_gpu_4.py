@@ -1,30 +1,33 @@
 """Four GPUs, NCCL: TP=2 x DP=2 ETP with prefetch inside captured CUDA graphs, exact vs one process.
 
-The 2-GPU test's worker and checks (``test_multi_gpu``) over a world of 4 (rank = dp * 2 + tp, ``cuda:{rank}``):
+The 2-GPU test's worker and checks (``dist_utils.nccl_worker``) over a world of 4 (rank = dp * 2 + tp,
+``cuda:{rank}``):
 * ``tp2xdp2``: ``embedding_across_dp`` off; two ETP groups, the TP pairs {0, 1} and {2, 3} (``dist.new_group``);
   each table is split in halves within a pair, each DP replica runs its own tokens;
 * ``tp2xdp2_across``: on; one ETP group of all 4 ranks (quarters of each table), the two ranks of a DP
   replica hold the same tokens, the replicas different ones (all-gather of ids + reduce-scatter of rows).
-Each DP replica runs ``test_multi_gpu.SCHEDULES[dp]``: uneven token counts per step (13/2, 2/7, 2/2, 0/4),
-replica 0 with none in the last step. Per topology (``test_multi_gpu._topology_case``): eager steps with
+Each DP replica runs ``dist_utils.NCCL_SCHEDULES[dp]``: uneven token counts per step (13/2, 2/7, 2/2, 0/4),
+replica 0 with none in the last step. Per topology (``dist_utils.Topology``): eager steps with
 prefetch off/on and max_tokens not passed/exact, every output and state bit for bit vs the single-GPU
-reference; then ``PrefetchWorkspace.start`` + ``wait`` + ``forward`` of both PLE layers captured in one
+reference; then ``Prefetch.start`` + ``wait`` + ``forward`` of both PLE layers captured in one
 CUDA graph, replayed over all steps with new inputs, bit for bit vs the reference graph (and the eager
 reference lookup; forward within 1e-5 of eager). Per-step ETP bytes (``ETPLookup.bytes_per_token`` x
-tokens) and replay / lookup times go to ``benchmarks/results/etp_4gpu.json``, written only when this runs.
+tokens) and replay / lookup times go to ``etp_4gpu.json`` in the directory given by pytest's
+``--results-dir`` (e.g. ``--results-dir benchmarks/results``); nothing is written without it.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import test_multi_gpu as mg
-from dist_utils import random_ple_state_dict, spawn_workers
+from dist_utils import (
+    NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, Topology, nccl_worker, random_ple_state_dict, spawn_workers,
+    write_etp_results,
+)  # fmt: skip
 from ple_configs import tiny_text_config
 from qwen4_exp_hcu.ple.etp import TorchGroup, owned_rows
 
@@ -33,7 +36,6 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs"),
 ]
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "etp_4gpu.json"
 WORLD, TP = 4, 2
 # bytes per token per rank (ring volume): tiny layers 4 heads x d=8 (64 B rows, 32 B of ids); real geometry
 # 16 heads x 128 (4096 B rows, 128 B of ids). TP pair: all-reduce 2(W-1)/W rows; across 4: 3 ids + 3 rows.
@@ -41,11 +43,11 @@ BYTES_PER_TOKEN = {"tp2xdp2": (2 * 1 * 64 // 2, 4096), "tp2xdp2_across": (3 * 32
 
 
 def _topologies_tp2xdp2(rank):
-    """(name, ETP group, across_dp, DP replica); every rank creates both pair groups, in the same order."""
+    """This rank's cases; every rank creates both pair groups, in the same order."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     return (
-        ("tp2xdp2", TorchGroup(pairs[rank // TP]), False, rank // TP),
-        ("tp2xdp2_across", TorchGroup(), True, rank // TP),
+        Topology("tp2xdp2", TorchGroup(pairs[rank // TP]), False, rank // TP),
+        Topology("tp2xdp2_across", TorchGroup(), True, rank // TP),
     )
 
 
@@ -53,31 +55,31 @@ def _schedule_bytes(case, across):
     """Per eager step of this rank's replica: its tokens, the tokens the combine moves (across DP: the
     largest replica's, max_tokens passed) and the bytes that makes per rank."""
     bpt, rows = sum(case["bytes_per_token"]), []
-    for step in range(mg.NSTEPS):
-        tokens = sum(n for _, n, _ in mg.SCHEDULES[case["dp"]][step])
-        moved = mg.MAX_T[step] if across else tokens
+    for step in range(NCCL_NSTEPS):
+        tokens = sum(n for _, n, _ in NCCL_SCHEDULES[case["dp"]][step])
+        moved = NCCL_MAX_T[step] if across else tokens
         rows.append({"step": step, "tokens": tokens, "combined_tokens": moved, "etp_bytes_per_rank": bpt * moved})
     return rows
 
 
-def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path):
+def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path, results_dir):
     if not dist.is_nccl_available():
         pytest.skip("NCCL not available")
     cfg = tiny_text_config()
     weights = tmp_path / "weights.pt"
-    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in mg.LAYERS], weights)
+    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
     t0 = time.perf_counter()
-    results = spawn_workers(mg._nccl_worker, WORLD, tmp_path / "run", str(weights), _topologies_tp2xdp2, start_method="spawn")
+    results = spawn_workers(nccl_worker, WORLD, tmp_path / "run", str(weights), _topologies_tp2xdp2, start_method="spawn")
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:40])
     for name, (tiny, real) in BYTES_PER_TOKEN.items():
         for r in results:
             case = r["cases"][name]
             assert case["dp"] == r["rank"] // TP, (name, r["rank"], case["dp"])
-            assert case["bytes_per_token"] == [tiny] * len(mg.LAYERS), (name, case["bytes_per_token"])
+            assert case["bytes_per_token"] == [tiny] * len(NCCL_LAYERS), (name, case["bytes_per_token"])
             assert all(s["bytes_per_token"] == real for s in case["bench"]["steps"]), name
     # row ranges: halves within each TP pair without across-dp, quarters over the 4 ranks with it
-    for i in range(len(mg.LAYERS)):
+    for i in range(len(NCCL_LAYERS)):
         pair = [r["cases"]["tp2xdp2"]["rows"][i] for r in results]
         n = pair[1][1]  # rank 1 owns the end of the table
         assert pair == [list(owned_rows(n, k % TP, TP)) for k in range(WORLD)], pair
@@ -86,8 +88,8 @@ def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path):
     for r in results:
         for name, case in r["cases"].items():
             case["schedule_steps"] = _schedule_bytes(case, name.endswith("across"))
-    mg.write_etp_results(
-        RESULTS, "tests/test_multi_gpu_4.py::test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph", results, t0,
+    write_etp_results(
+        results_dir, "etp_4gpu.json", "tests/test_multi_gpu_4.py::test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph", results, t0,
         what_ran="TP2 x DP2 over NCCL (4 ranks): ETP within the TP pairs (new_group) and across DP (one group of 4), "
         "pinned-host tables, uneven/zero tokens per DP replica, prefetch off/on eager and start+wait+forward in one "
         "CUDA graph replayed with new inputs; outputs/states exact vs the single-GPU reference",

@@ -1,6 +1,7 @@
 """A regular (non-editable) install is a working package: what it needs at run time ships inside it."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_regular_install_writes_a_tiny_checkpoint(tmp_path):
-    site = tmp_path / "site"
+    src, site = tmp_path / "src", tmp_path / "site"  # pip builds in the source tree: build a copy
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "checkpoints", "*.egg-info", "__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(ROOT)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(src)],
         check=True,
     )
     env = {**os.environ, "PYTHONPATH": str(site)}

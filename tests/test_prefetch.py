@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from layer_utils import empty_state, make_pair
+from layer_utils import make_pair
 from ple_configs import tiny_text_config
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
 
-def qsl_of(lens, device="cpu"):
-    return torch.tensor([0] + list(lens), device=device).cumsum(0).to(torch.int32)
+def empty_state(layer, slots, dtype=torch.float32, device="cpu"):
+    return PLEState.zeros(layer.state_shapes(), slots, dtype, device)
 
 
 def test_prefetched_forward_equals_plain_forward():
@@ -23,25 +24,24 @@ def test_prefetched_forward_equals_plain_forward():
     for step, lens in enumerate([[5, 3], [1, 1], [1, 1]]):
         T = sum(lens)
         ids, hs = torch.randint(0, 97, (T,)), torch.randn(T, C)
-        meta = (qsl_of(lens), torch.tensor([2, 0]))
-        init = torch.tensor([step > 0] * 2)
+        batch = PLEBatch.from_lengths(ids, lens, [2, 0], [step > 0] * 2)
         for i, layer in enumerate((l0, l1)):
-            ws.start(i, ids, *meta, pre[i][0], init)
-            want = layer(hs, ids, *meta, *plain[i], init)
-            got = layer(hs, ids, *meta, *pre[i], init, embeddings=ws.wait(i))
+            ws.handles[i].start(batch, pre[i])
+            want = layer(hs, batch, plain[i])
+            got = layer(hs, batch, pre[i], embeddings=ws.handles[i].wait())
             assert torch.equal(got, want)
-            assert all(torch.equal(a, b) for a, b in zip(pre[i], plain[i]))
+            assert torch.equal(pre[i].ngram, plain[i].ngram) and torch.equal(pre[i].conv, plain[i].conv)
 
 
 def test_capacity_and_pairing_errors():
     cfg = tiny_text_config()
     _, layer = make_pair(cfg)
     ws = PrefetchWorkspace([layer], max_tokens=4, device="cpu")
-    ctx, _ = empty_state(layer, 2)
+    batch = PLEBatch.from_lengths(torch.zeros(5, dtype=torch.int64), [5], [0], [False])
     with pytest.raises(ValueError, match="5 tokens exceed the workspace capacity max_tokens=4"):
-        ws.start(0, torch.zeros(5, dtype=torch.int64), qsl_of([5]), torch.tensor([0]), ctx, torch.tensor([False]))
+        ws.handles[0].start(batch, empty_state(layer, 2))
     with pytest.raises(RuntimeError, match="without a start"):
-        ws.wait(0)
+        ws.handles[0].wait()
 
 
 @pytest.mark.gpu
@@ -57,21 +57,22 @@ def test_gpu_prefetch_in_cuda_graph_replays_exactly():
     qsl = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
     slots = torch.tensor([4, 0, 2], device="cuda")
     init = torch.zeros(B, dtype=torch.bool, device="cuda")
+    batch = PLEBatch(ids, qsl, slots, init)  # wraps the static tensors the graph reads
     state = empty_state(layer, 6, dtype=torch.bfloat16, device="cuda")
     ref_state = empty_state(ref, 6, dtype=torch.bfloat16)
+    prefetch = ws.handles[0]
 
     def step():
-        ws.start(0, ids, qsl, slots, state[0], init)
+        prefetch.start(batch, state)
         hs.mul_(1.0)  # stands in for the preceding decoder layer on the main stream
-        return layer(hs, ids, qsl, slots, *state, init, embeddings=ws.wait(0))
+        return layer(hs, batch, state, embeddings=prefetch.wait())
 
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm):
         step()
     torch.cuda.current_stream().wait_stream(warm)
-    for s in state:
-        s.zero_()
+    state.ngram.zero_(), state.conv.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
@@ -79,9 +80,10 @@ def test_gpu_prefetch_in_cuda_graph_replays_exactly():
     for i, lens in enumerate([[10, 6, 8], [1, 1, 1], [3, 0, 2]]):
         n = sum(lens)
         new_ids, new_hs = torch.randint(0, 97, (T,), generator=g), torch.randn(T, C, generator=g).bfloat16()
-        ids.copy_(new_ids), hs.copy_(new_hs), qsl.copy_(qsl_of(lens)), init.fill_(i > 0)
+        ref_batch = PLEBatch.from_lengths(new_ids, lens, slots.cpu(), [i > 0] * B)
+        ids.copy_(new_ids), hs.copy_(new_hs), qsl.copy_(ref_batch.query_start_loc), init.fill_(i > 0)
         graph.replay()
         torch.cuda.synchronize()
-        want = ref(new_hs, new_ids, qsl_of(lens), slots.cpu(), *ref_state, init.cpu())
+        want = ref(new_hs, ref_batch, ref_state)
         torch.testing.assert_close(out[:n].cpu(), want[:n], atol=2e-2, rtol=2e-2)
-        assert torch.equal(state[0].cpu(), ref_state[0])
+        assert torch.equal(state.ngram.cpu(), ref_state.ngram)

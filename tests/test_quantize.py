@@ -14,7 +14,8 @@ from compressed_tensors.utils.match import match_quantizable_tensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, ple_int8_scheme, ple_quantization_config, quantize_rows
+from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_quantization_config
 from qwen4_exp_hcu.quantize import INDEX, is_ple_table, main
 
 PLE = "model.layers.0.ple.ple_embedding.ngram_embedding"

@@ -39,15 +39,19 @@ def engine_kwargs(mode: str) -> dict:
 
 def break_state_carry() -> None:
     """Test-only fault: every step starts from a fresh PLE state (EOS n-gram context, zero conv window)."""
-    from qwen4_exp_hcu.model.ple import PLEBlock
+    import dataclasses
 
-    batch = PLEBlock._batch
+    import torch
 
-    def without_initial_state(self, device):
-        b = batch(self, device)
-        return None if b is None else (b[0], b[1], b[2].zero_())
+    from qwen4_exp_hcu.model import ple
 
-    PLEBlock._batch = without_initial_state
+    pack = ple._pack
+
+    def fresh_every_step(metadata, input_ids):
+        batch = pack(metadata, input_ids)
+        return dataclasses.replace(batch, has_initial_state=torch.zeros_like(batch.has_initial_state))
+
+    ple._pack = fresh_every_step
 
 
 def top_logprobs(output) -> list[list[list[float]]]:

@@ -59,15 +59,15 @@ def _ngram_hash_kernel(
     tl.store(out_ptr + t[:, None] * H + heads[None, :], row, mask=tmask[:, None] & hmask[None, :])
 
 
-_BUFFERS: dict = {}
+_SPEC_TENSORS: dict = {}  # (spec, device) -> its multiplier/size/offset tensors
 
 
 def _spec_tensors(spec, device):
     """Hash constants live on the device once per (spec, device): no per-call H2D copy."""
     key = (spec, str(device))
-    if key not in _BUFFERS:
-        _BUFFERS[key] = spec.tensors(device)
-    return _BUFFERS[key]
+    if key not in _SPEC_TENSORS:
+        _SPEC_TENSORS[key] = spec.tensors(device)
+    return _SPEC_TENSORS[key]
 
 
 def ngram_hash(spec, input_ids, query_start_loc, ngram_context, out=None, block_t: int = 64) -> torch.Tensor:

@@ -11,22 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
-
-class GroupedRMSNorm(nn.Module):
-    """Zero-centred RMSNorm (`x_hat * (1 + w)`) over groups of `group_size`, in fp32 like the reference."""
-
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
-        super().__init__()
-        if dim % group_size:
-            raise ValueError(f"GroupedRMSNorm: dim {dim} is not a multiple of group_size {group_size}")
-        self.group_size = group_size
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float().unflatten(-1, (-1, self.group_size))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf.flatten(-2) * (1.0 + self.weight.float())).type_as(x)
+from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
 class GatedResidual(nn.Module):

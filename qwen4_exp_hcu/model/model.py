@@ -31,6 +31,9 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from qwen4_exp_hcu.env import prefetch_enabled
+from qwen4_exp_hcu.names import ple_layers
+
 from .attention import (
     DenseGatedAttention,
     check_dense_attention_allowed,
@@ -38,16 +41,8 @@ from .attention import (
     load_qsa_attention_cls,
 )
 from .hyper_connection import GatedResidual, inject
-from .ple import (
-    FORWARD_OP,
-    PLE_MAMBA_TYPE,
-    PLE_STATE_COPY_FUNCS,
-    PREFETCH_OP,
-    PLEBlock,
-    PLEPlacement,
-    ple_mamba_spec,
-    prefetch_enabled,
-)
+
+from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, PLEPlacement, ple_mamba_spec
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -157,10 +152,10 @@ class Qwen4ExpModel(nn.Module):
         from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
         placement = PLEPlacement(vllm_config)
-        for p, layer_id in enumerate(self.config.ple_layer_ids):
-            i = layer_id - 1
-            block = PLEBlock(vllm_config, p, placement, prefix=f"{prefix}.layers.{i}.ple")
-            self.layers[i].ple = block
+        indices = ple_layers(self.config)
+        for index in indices:
+            block = PLEBlock(vllm_config, index.ple, placement, prefix=f"{prefix}.layers.{index.decoder}.ple")
+            self.layers[index.decoder].ple = block
             self.ple_blocks.append(block)
         if prefetch_enabled():
             workspace = PrefetchWorkspace(
@@ -168,10 +163,9 @@ class Qwen4ExpModel(nn.Module):
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 device=placement.device,
             )
-            for p, block in enumerate(self.ple_blocks):
-                block.workspace, block.workspace_index = workspace, p
-                layer_idx = self.config.ple_layer_ids[p] - 1
-                self.prefetch_before[max(layer_idx - 1, 0)].append(block)
+            for index, block, handle in zip(indices, self.ple_blocks, workspace.handles):
+                block.prefetch = handle
+                self.prefetch_before[max(index.decoder - 1, 0)].append(block)
         splitting_ops = vllm_config.compilation_config.splitting_ops
         if splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
             splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)
@@ -194,7 +188,7 @@ class Qwen4ExpModel(nn.Module):
             raise ValueError("Qwen4Exp PLE layers need the token ids; prompt embeddings cannot be used.")
         for layer, starts in zip(self.layers, self.prefetch_before):
             for block in starts:
-                block.prefetch(input_ids)
+                block.start_prefetch(input_ids)
             streams = layer(positions, streams, input_ids)
         return self.hyper_connection_mixer(streams)
 

@@ -19,8 +19,6 @@ the same place: both eager, or both inside one captured graph):
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -33,11 +31,12 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from qwen4_exp_hcu.names import LAYER_PARAMS, SHARD, TABLE, ple_layers
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import state_shapes
 
 logger = init_logger(__name__)
 
-PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 OP_NAMESPACE = "qwen4_exp_hcu"
 FORWARD_OP = f"{OP_NAMESPACE}::ple_forward"
 PREFETCH_OP = f"{OP_NAMESPACE}::ple_prefetch"
@@ -45,11 +44,6 @@ PLE_MAMBA_TYPE = MambaAttentionBackendEnum.SHORT_CONV
 
 
 # ---- configuration ------------------------------------------------------------------------------------
-def prefetch_enabled() -> bool:
-    """`QWEN4_EXP_HCU_PREFETCH=0` runs each lookup inside its own PLE layer instead of one layer early."""
-    return os.environ.get(PREFETCH_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
-
-
 def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """Token ids stay int64; the conv window has the hidden states' dtype (what PLELayer checks)."""
     return torch.int64, model_dtype
@@ -114,12 +108,57 @@ def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, plat
 
 def checkpoint_has_int8_tables(vllm_config: VllmConfig) -> bool:
     """Whether the checkpoint's compressed-tensors config stores the PLE tables as INT8 rows (validated)."""
-    from qwen4_exp_hcu.ple.int8 import ple_int8_scheme
+    from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme
 
     config = vllm_config.model_config.hf_text_config
     qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
-    names = [f"model.layers.{i - 1}.ple.ple_embedding.ngram_embedding" for i in config.ple_layer_ids]
+    names = [f"{index.prefix}{TABLE}" for index in ple_layers(config)]
     return ple_int8_scheme(qconfig, names)
+
+
+# ---- the step batch -------------------------------------------------------------------------------------
+class _StepBatches:
+    """The `PLEBatch` of each state group, built once per step by the first PLE op that asks.
+
+    Keyed by the forward context (new every step, also at every breakable-graph replay) and by the
+    group's metadata object (every PLE layer of one KV-cache group shares it)."""
+
+    def __init__(self) -> None:
+        self._context, self._batches = None, {}
+
+    def get(self, metadata, build) -> PLEBatch:
+        context = get_forward_context()
+        if context is not self._context:
+            self._context, self._batches = context, {}
+        key = id(metadata)
+        if key not in self._batches:
+            self._batches[key] = (metadata, build(metadata))  # holds the metadata: its id stays unique
+        return self._batches[key][1]
+
+
+_STEP_BATCHES = _StepBatches()
+
+
+def _pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
+    """PLEBatch from the SHORT_CONV metadata, which orders decodes (one token each: speculative decoding
+    is rejected) before prefills and keeps each part's slots and flags separately."""
+    device = input_ids.device
+    d, p = metadata.num_decodes, metadata.num_prefills
+    qsl, slots, initial = [torch.arange(d + 1, dtype=torch.int64, device=device)], [], []
+    if d:
+        slots.append(metadata.state_indices_tensor_d[:d, 0].long())
+        initial.append(torch.ones(d, dtype=torch.bool, device=device))
+    if p:
+        qsl.append(metadata.query_start_loc_p[1:].long() + metadata.num_decode_tokens)
+        slots.append(metadata.state_indices_tensor_p[:p].long())
+        initial.append(metadata.has_initial_states_p[:p])
+    return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), _dp_max_tokens())
+
+
+def _dp_max_tokens() -> int | None:
+    """The most tokens any DP rank holds this step (what across-DP ETP lookups agree on)."""
+    dp = get_forward_context().dp_metadata
+    return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
 
 
 # ---- the vLLM layer -------------------------------------------------------------------------------------
@@ -134,7 +173,6 @@ class PLEBlock(nn.Module, MambaBase):
 
         _register_ops()
         self.prefix = prefix
-        self.ple_layer_index = ple_layer_index
         self.model_dtype = vllm_config.model_config.dtype
         self.layer = PLELayer(
             vllm_config.model_config.hf_text_config,
@@ -147,8 +185,7 @@ class PLEBlock(nn.Module, MambaBase):
             dtype=self.model_dtype,
         )
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        self.workspace = None  # set by the model: the PrefetchWorkspace and this layer's index in it
-        self.workspace_index = -1
+        self.prefetch = None  # this layer's `Prefetch` handle, when the model prefetches
         self.progress: tqdm | None = None
         compilation_config = get_current_vllm_config().compilation_config
         if prefix in compilation_config.static_forward_context:
@@ -175,101 +212,58 @@ class PLEBlock(nn.Module, MambaBase):
         return self.layer.table
 
     # ---- forward -----------------------------------------------------------------------------------
-    def prefetch(self, input_ids: torch.Tensor) -> None:
-        torch.ops.qwen4_exp_hcu.ple_prefetch(input_ids, self.workspace.buffers[self.workspace_index], self.prefix)
+    def start_prefetch(self, input_ids: torch.Tensor) -> None:
+        torch.ops.qwen4_exp_hcu.ple_prefetch(input_ids, self.prefetch.buffer, self.prefix)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(streams)
-        # Without a workspace the op still takes a tensor there; the streams stand in (read only).
-        buffer = streams if self.workspace is None else self.workspace.buffers[self.workspace_index]
+        buffer = None if self.prefetch is None else self.prefetch.buffer
         torch.ops.qwen4_exp_hcu.ple_forward(streams, input_ids, buffer, out, self.prefix)
         return out
 
-    def _batch(self, device: torch.device):
-        """(query_start_loc, slot_ids, has_initial_state) of the step, or None in vLLM's dummy/profile runs.
-
-        The SHORT_CONV metadata orders decodes (one token each: speculative decoding is rejected) before
-        prefills and keeps each part's slots and flags separately; PLELayer wants them packed.
-        """
+    def _step(self, input_ids: torch.Tensor) -> tuple[PLEBatch, PLEState, bool] | None:
+        """(batch, state, real) of this step. In vLLM's dummy/profile runs there is no request state; only
+        across-DP ETP still looks up (one padding request holding every token, EOS context), because the
+        other DP ranks' lookups need this rank's collectives. None when there is nothing to do."""
         metadata = get_forward_context().attn_metadata
-        if metadata is None:
-            return None
-        m = metadata[self.prefix]
-        d, p = m.num_decodes, m.num_prefills
-        qsl, slots, initial = [torch.arange(d + 1, dtype=torch.int64, device=device)], [], []
-        if d:
-            slots.append(m.state_indices_tensor_d[:d, 0].long())
-            initial.append(torch.ones(d, dtype=torch.bool, device=device))
-        if p:
-            qsl.append(m.query_start_loc_p[1:].long() + m.num_decode_tokens)
-            slots.append(m.state_indices_tensor_p[:p].long())
-            initial.append(m.has_initial_states_p[:p])
-        if not slots:
-            return None
-        return torch.cat(qsl), torch.cat(slots), torch.cat(initial)
-
-    def _lookup_args(self, input_ids: torch.Tensor):
-        """(query_start_loc, slot_ids, has_initial_state, ngram_state, real) for this step's lookup.
-
-        In vLLM's dummy/profile runs there is no request state; only across-DP ETP still looks up (one
-        padding request holding every token), because the other DP ranks' lookups need this rank's
-        collectives. None when there is nothing to do.
-        """
-        device = input_ids.device
-        batch = self._batch(device)
-        if batch is not None:
-            return (*batch, self.kv_cache[0], True)
+        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills:
+            return _STEP_BATCHES.get(m, lambda m: _pack(m, input_ids)), PLEState(*self.kv_cache), True
         if not self.layer.etp.across_dp:
             return None
-        qsl = torch.tensor([0, input_ids.shape[0]], dtype=torch.int64, device=device)
-        slots = torch.full((1,), -1, dtype=torch.int64, device=device)
-        ngram_state = torch.full((1, self.layer.spec.context_len), self.layer.spec.eos_token_id, device=device)
-        return qsl, slots, torch.zeros(1, dtype=torch.bool, device=device), ngram_state, False
-
-    def _max_tokens(self) -> int | None:
-        """The most tokens any DP rank holds this step (what across-DP lookups must agree on)."""
-        dp = get_forward_context().dp_metadata
-        return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
+        batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], _dp_max_tokens())
+        state = PLEState.zeros(self.layer.state_shapes(), 1, self.model_dtype, input_ids.device)
+        return batch, state, False
 
     def run_prefetch(self, input_ids: torch.Tensor) -> None:
-        args = self._lookup_args(input_ids)
-        if args is not None:
-            qsl, slots, initial, ngram_state, _ = args
-            self.workspace.start(
-                self.workspace_index, input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens()
-            )
+        if (step := self._step(input_ids)) is not None:
+            self.prefetch.start(*step[:2])
 
     def run_forward(self, streams: torch.Tensor, input_ids: torch.Tensor, out: torch.Tensor) -> None:
-        args = self._lookup_args(input_ids)
-        if args is None:
+        step = self._step(input_ids)
+        if step is None:
             out.zero_()
             return
-        qsl, slots, initial, ngram_state, real = args
-        if self.workspace is not None:
-            embeddings = self.workspace.wait(self.workspace_index)
-        else:
-            embeddings = self.layer.lookup(input_ids, qsl, slots, ngram_state, initial, max_tokens=self._max_tokens())
+        batch, state, real = step
+        embeddings = self.layer.lookup(batch, state) if self.prefetch is None else self.prefetch.wait()
         if not real:
             out.zero_()
             return
-        conv_state = self.kv_cache[1]
-        out.copy_(self.layer(streams, input_ids, qsl, slots, ngram_state, conv_state, initial, embeddings=embeddings))
+        self.layer(streams, batch, state, embeddings=embeddings, out=out)
 
     # ---- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights) -> set[str]:
         """Route `model.layers.{i}.ple.*` tensors to PLELayer; table shards stream into their storage."""
         loaded = set()
         for name, tensor in weights:
-            self.layer.load_weight(name, tensor, where=f"{self.prefix}.")
-            if name.startswith("ple_embedding."):  # table shards and hash buffers: not module parameters
-                if self.progress is not None and ".shard_" in name:
-                    self.progress.update()
-                continue
-            loaded.add("layer.conv_weight" if name == "conv1d.weight" else f"layer.{name}")
+            self.layer.load_weight(name, tensor, prefix=f"{self.prefix}.")
+            if name in LAYER_PARAMS:  # table shards and hash buffers are not module parameters
+                loaded.add(f"layer.{name}")
+            elif self.progress is not None and SHARD.search(name):
+                self.progress.update()
         return loaded
 
     def finish_loading(self) -> None:
-        self.layer.finish_loading(where=f"{self.prefix}.")
+        self.layer.finish_loading(prefix=f"{self.prefix}.")
 
     def storage(self) -> dict:
         """Where the table lives, for reports and tests: device, pinned, bytes, data pointer."""
@@ -308,8 +302,10 @@ def _ple_prefetch(input_ids: torch.Tensor, buffer: torch.Tensor, layer_name: str
 
 @_eager_break
 def _ple_forward(
-    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, layer_name: str
+    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor | None, out: torch.Tensor, layer_name: str
 ) -> None:
+    """`buffer`: the prefetch output this op reads (None without prefetch); an argument so that graph
+    compilers order this op after the `ple_prefetch` that writes it."""
     _layer(layer_name).run_forward(streams, input_ids, out)
 
 
@@ -318,7 +314,7 @@ def _ple_prefetch_fake(input_ids: torch.Tensor, buffer: torch.Tensor, layer_name
 
 
 def _ple_forward_fake(
-    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, layer_name: str
+    streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor | None, out: torch.Tensor, layer_name: str
 ) -> None:
     return None
 

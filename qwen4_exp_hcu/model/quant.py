@@ -14,7 +14,7 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from qwen4_exp_hcu.vllm_plugin import ALIAS, ARCHITECTURE, override_disabled
+from qwen4_exp_hcu.env import our_architectures
 
 NAME = "qwen4_exp_hcu_ple_int8"
 
@@ -23,14 +23,13 @@ def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
     """A compressed-tensors config, for our model class, whose groups all target PLE tables only."""
     if not hf_quant_cfg or hf_quant_cfg.get("quant_method") != "compressed-tensors":
         return False
-    ours = {ALIAS} if override_disabled() else {ALIAS, ARCHITECTURE}
-    if not ours & set(getattr(hf_config, "architectures", None) or []):
+    if not our_architectures() & set(getattr(hf_config, "architectures", None) or []):
         return False
     groups = hf_quant_cfg.get("config_groups") or {}
     targets = [t for g in groups.values() for t in (g.get("targets") or [])]
     if not targets or not all("ngram_embedding" in t for t in targets):
         return False
-    from qwen4_exp_hcu.ple.int8 import ple_int8_scheme
+    from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme
 
     return ple_int8_scheme(hf_quant_cfg)  # raises ValueError, naming the group, for any other scheme
 

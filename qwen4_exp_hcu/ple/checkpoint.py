@@ -12,7 +12,8 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from qwen4_exp_hcu.ple.int8 import ple_int8_scheme
+from qwen4_exp_hcu.names import ple_layers
+from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme
 from qwen4_exp_hcu.ple.layer import PLELayer
 
 
@@ -26,12 +27,13 @@ def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
     (device, host_table, etp_group, across_dp, dtype). INT8 storage follows the checkpoint's scheme."""
     checkpoint = Path(checkpoint)
     cfg = text_config_of(checkpoint)
-    if layer_id not in cfg.ple_layer_ids:
+    index = next((i for i in ple_layers(cfg) if i.layer_id == layer_id), None)
+    if index is None:
         raise ValueError(f"decoder layer {layer_id} has no PLE (ple_layer_ids={cfg.ple_layer_ids}).")
     raw = json.loads((checkpoint / "config.json").read_text())
     quantized = ple_int8_scheme(raw.get("quantization_config"))
-    layer = PLELayer(cfg, cfg.ple_layer_ids.index(layer_id), quantized=kw.pop("quantized", quantized), **kw)
-    prefix = f"model.layers.{layer_id - 1}.ple."
+    layer = PLELayer(cfg, index.ple, quantized=kw.pop("quantized", quantized), **kw)
+    prefix = index.prefix
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():

@@ -79,44 +79,43 @@ def combine_bytes_per_token(world: int, across_dp: bool, num_heads: int, dim: in
 
 
 class ETPLookup:
-    """Lookup of a table sharded over `group`; `across_dp` when the ranks hold different tokens."""
+    """A PLE table sharded over `group` by rows: builds this rank's `PLETable` (its owned range) and looks
+    rows up, combining over the group; `across_dp` when the ranks hold different tokens."""
 
-    def __init__(self, table: PLETable, group: Group | None, across_dp: bool = False):
-        self.table, self.group, self.across_dp = table, group, across_dp
-        rank, world = (group.rank_in_group, group.world_size) if group is not None else (0, 1)
-        expected = owned_rows(table.rows, rank, world)
-        if (table.start, table.end) != expected:
-            raise ValueError(
-                f"PLE table owns rows [{table.start}, {table.end}) but ETP rank {rank} of {world} "
-                f"should own [{expected[0]}, {expected[1]})."
-            )
+    def __init__(self, rows: int, dim: int, group: Group | None = None, across_dp: bool = False, **table_kw):
+        self.group = group if group is not None and group.world_size > 1 else None
+        self.across_dp = across_dp and self.group is not None
+        rank, world = (group.rank_in_group, group.world_size) if self.group is not None else (0, 1)
+        start, end = owned_rows(rows, rank, world)
+        self.table = PLETable(rows, dim, start=start, end=end, **table_kw)
 
     def bytes_per_token(self, num_heads: int) -> int:
         world = self.group.world_size if self.group is not None else 1
         return combine_bytes_per_token(world, self.across_dp, num_heads, self.table.dim)
 
-    def step_max_tokens(self, tokens: int, device) -> int:
-        """Most tokens any rank of the group holds this step (a count exchange and a host sync)."""
-        if self.group is None or self.group.world_size == 1:
-            return tokens
-        return int(self.group.all_gather(torch.tensor([tokens], device=device), dim=0).max())
+    def token_bound(self, tokens: int, max_tokens: int | None, device) -> int | None:
+        """Across DP, the most tokens any rank holds this step: `max_tokens` when the caller knows it
+        (every rank must pass the same), else exchanged here (a collective and a host sync). Every rank
+        gets the same number, so capacity errors agree. None when the ranks hold the same tokens."""
+        if not self.across_dp:
+            return None
+        if max_tokens is None:
+            max_tokens = int(self.group.all_gather(torch.tensor([tokens], device=device), dim=0).max())
+        if tokens > max_tokens:
+            raise ValueError(f"this rank holds {tokens} tokens, more than max_tokens={max_tokens}.")
+        return max_tokens
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor | None = None, max_tokens: int | None = None) -> torch.Tensor:
-        """[T, H] row ids of this rank's tokens -> [T, H*d] bf16. `max_tokens` = most tokens any rank
-        holds this step (across DP only; every rank must pass the same value, e.g. vLLM's padded DP size);
-        without it the ranks exchange their counts first."""
+        """[T, H] row ids of this rank's tokens -> [T, H*d] bf16, into `out` if given."""
         g = self.group
-        if g is None or g.world_size == 1:
+        if g is None:
             return self.table.lookup(ids, out=out)
         if not self.across_dp:
             summed = g.all_reduce(self.table.lookup(ids, out=out))
             return summed if out is None or summed is out else out.copy_(summed)
         T = ids.shape[0]
-        if max_tokens is None:
-            max_tokens = self.step_max_tokens(T, ids.device)
-        if T > max_tokens:
-            raise ValueError(f"this rank holds {T} tokens, more than max_tokens={max_tokens}.")
-        padded = torch.full((max_tokens, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)
+        bound = self.token_bound(T, max_tokens, ids.device)
+        padded = torch.full((bound, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)
         padded[:T] = ids
         partial = self.table.lookup(g.all_gather(padded, dim=0))
         mine = g.reduce_scatter(partial, dim=0)[:T]

@@ -1,0 +1,65 @@
+"""What a PLE layer is called with: one step's packed requests (`PLEBatch`, built once per step and shared
+by every PLE layer) and one layer's per-request state (`PLEState`, indexed by slot).
+
+Requests are packed: request r owns tokens `query_start_loc[r] : query_start_loc[r+1]` and state slot
+`slot_ids[r]`; slot < 0 marks a padding request (never read, never written) and tokens past
+`query_start_loc[-1]` are padding (CUDA-graph batches: computed, never stored). `has_initial_state[r]` is
+False for a request's first chunk (its state starts from EOS context and a zero conv window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PLEBatch:
+    input_ids: torch.Tensor  # [T] token ids
+    query_start_loc: torch.Tensor  # [B + 1]
+    slot_ids: torch.Tensor  # [B] int64
+    has_initial_state: torch.Tensor  # [B] bool
+    max_tokens: int | None = None
+    """Across-DP ETP only: the most tokens any rank holds this step (every rank must agree; exchanged
+    when None). vLLM knows it from its DP metadata."""
+
+    @classmethod
+    def from_lengths(cls, input_ids, lengths, slot_ids, has_initial_state, max_tokens=None) -> PLEBatch:
+        """From per-request token counts and Python/tensor slot ids and flags (notebooks, tests)."""
+        device = input_ids.device
+        qsl = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        qsl[1:] = torch.as_tensor(list(lengths), dtype=torch.int64).cumsum(0)
+        return cls(
+            input_ids,
+            qsl.to(device),
+            torch.as_tensor(slot_ids, dtype=torch.int64).to(device),
+            torch.as_tensor(has_initial_state, dtype=torch.bool).to(device),
+            max_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_requests(self) -> int:
+        return self.slot_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class PLEState:
+    ngram: torch.Tensor  # [S, ngram_size - 1] int64: the last tokens each request sent
+    conv: torch.Tensor  # [S, (K - 1) * ngram_size, hc * hidden]: the dilated short-conv window
+
+    @classmethod
+    def zeros(cls, shapes, slots: int, dtype: torch.dtype, device=None) -> PLEState:
+        """Fresh state for `slots` requests; `shapes` = `state_shapes(text_config)` (per slot)."""
+        ngram_shape, conv_shape = shapes
+        return cls(
+            torch.zeros(slots, *ngram_shape, dtype=torch.int64, device=device),
+            torch.zeros(slots, *conv_shape, dtype=dtype, device=device),
+        )
+
+    def clone(self) -> PLEState:
+        return PLEState(self.ngram.clone(), self.conv.clone())
