@@ -476,3 +476,18 @@ def write_etp_results(
         "seconds": time.perf_counter() - t0,
         "per_rank": [{k: r[k] for k in ("rank", "device", "cases")} for r in results],
     }, indent=1))
+
+
+def run_nccl_workers(tmp_path: Path, world: int, topologies) -> tuple[list[dict], float]:
+    """Spawn `nccl_worker` on `world` GPUs over the tiny config's PLE layers; fail on any mismatch.
+    Returns the per-rank results and the start time."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL not available")
+    cfg = tiny_text_config()
+    weights = tmp_path / "weights.pt"
+    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
+    t0 = time.perf_counter()
+    results = spawn_workers(nccl_worker, world, tmp_path / "run", str(weights), topologies, start_method="spawn")
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:40])
+    return results, t0

@@ -22,14 +22,9 @@ Per-step ETP bytes and times (tiny layers, plus a lookup-only benchmark with the
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from dist_utils import NCCL_LAYERS, Topology, nccl_worker, random_ple_state_dict, spawn_workers, write_etp_results
-from ple_configs import tiny_text_config
+from dist_utils import Topology, run_nccl_workers, write_etp_results
 from qwen4_exp_hcu.ple.etp import TorchGroup
 
 pytestmark = pytest.mark.multi_gpu
@@ -42,15 +37,7 @@ def _topologies_2gpu(rank):
 
 
 def test_nccl_etp_prefetch_in_cuda_graph(tmp_path, results_dir):
-    if not dist.is_nccl_available():
-        pytest.skip("NCCL not available")
-    cfg = tiny_text_config()
-    weights = tmp_path / "weights.pt"
-    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
-    t0 = time.perf_counter()
-    results = spawn_workers(nccl_worker, 2, tmp_path / "run", str(weights), _topologies_2gpu, start_method="spawn")
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:40])
+    results, t0 = run_nccl_workers(tmp_path, 2, _topologies_2gpu)
     for name, bpt in (("tp2", 2 * 1 * 64 // 2), ("dp2_across", 1 * 4 * 8 + 1 * 64)):  # tiny: 4 heads x d=8
         assert all(r["cases"][name]["bytes_per_token"] == [bpt, bpt] for r in results), name
     # real geometry: 16 heads x 128 bf16 = 4096 B/token; TP2 all-reduce 2*(1/2)*4096; across 16*8 + 4096

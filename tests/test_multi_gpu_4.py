@@ -18,17 +18,11 @@ tokens) and replay / lookup times go to ``etp_4gpu.json`` in the directory given
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import (
-    NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, Topology, nccl_worker, random_ple_state_dict, spawn_workers,
-    write_etp_results,
-)  # fmt: skip
-from ple_configs import tiny_text_config
+from dist_utils import NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, Topology, run_nccl_workers, write_etp_results
 from qwen4_exp_hcu.ple.etp import TorchGroup, owned_rows
 
 pytestmark = [
@@ -63,15 +57,7 @@ def _schedule_bytes(case, across):
 
 
 def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path, results_dir):
-    if not dist.is_nccl_available():
-        pytest.skip("NCCL not available")
-    cfg = tiny_text_config()
-    weights = tmp_path / "weights.pt"
-    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
-    t0 = time.perf_counter()
-    results = spawn_workers(nccl_worker, WORLD, tmp_path / "run", str(weights), _topologies_tp2xdp2, start_method="spawn")
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:40])
+    results, t0 = run_nccl_workers(tmp_path, WORLD, _topologies_tp2xdp2)
     for name, (tiny, real) in BYTES_PER_TOKEN.items():
         for r in results:
             case = r["cases"][name]
