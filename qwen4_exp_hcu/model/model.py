@@ -222,14 +222,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         served as `Qwen4ExpForCausalLM`; under the alias architecture the runner asks for these."""
         return torch.arange(len(input_tokens)).expand(3, -1), 0
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> torch.Tensor:
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+        """Same arguments as `Qwen4ExpModel.forward`; vLLM's extra keyword arguments are not used."""
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
