@@ -3,8 +3,8 @@
     python -m qwen4_exp_hcu.quantize SRC DST
 
 Every `...ple_embedding.ngram_embedding.shard_{j}.weight` becomes int8 `weight` + bf16 `weight_scale` in the
-same file; every other tensor is copied byte for byte; config.json gains the compressed-tensors
-`quantization_config`. Tensors are streamed one at a time (the PLE tables alone are ~90 GiB in BF16), and the
+same file; every other tensor is copied byte for byte; config.json gains a compressed-tensors PLE group, merged
+into the main model's compressed-tensors `quantization_config` when it has one (kept as it is otherwise). Tensors are streamed one at a time (the PLE tables alone are ~90 GiB in BF16), and the
 output is built in a temporary folder beside DST and renamed into place only when complete.
 """
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
 from qwen4_exp_hcu.ple.int8 import quantize_rows
-from qwen4_exp_hcu.ple.int8_scheme import ple_quantization_config
+from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -127,10 +127,15 @@ def _weight_files(src: Path) -> tuple[list[str], dict | None]:
 
 
 def _load_config(src: Path) -> dict:
+    """SRC's config with our PLE group merged into its quantization config (kept as it is otherwise)."""
     config = json.loads((src / CONFIG).read_text())
     text = config.get("text_config") or {}
-    if any(k in config for k in ("quantization_config", "compression_config")) or "quantization_config" in text:
-        raise ValueError(f"{src / CONFIG} already has a quantization config; SRC must be an unquantized checkpoint")
+    if "compression_config" in config or "quantization_config" in text:
+        raise ValueError(f"{src / CONFIG}: put the main model's quantization config at the top level as quantization_config")
+    try:
+        config["quantization_config"] = merge_ple_group(config.get("quantization_config"))
+    except ValueError as e:
+        raise ValueError(f"{src / CONFIG}: {e}") from None
     return config
 
 
@@ -183,7 +188,6 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     tmp.mkdir()
     try:
         weight_map, total = _convert_weights(src, files, tmp)
-        config["quantization_config"] = ple_quantization_config()
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if index is not None:
             index["metadata"] = {**index.get("metadata", {}), "total_size": total}

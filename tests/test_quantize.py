@@ -182,7 +182,7 @@ def test_refuses_already_quantized(converted, tmp_path, capsys):
     _, dst = converted
     with pytest.raises(SystemExit):
         main([str(dst), str(tmp_path / "again")])
-    assert "already has a quantization config" in capsys.readouterr().err
+    assert "already quantizes the PLE tables" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
 
 
@@ -222,3 +222,37 @@ def test_missing_source_files(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(src), str(tmp_path / "dst")])
     assert "missing from SRC" in capsys.readouterr().err
+
+
+W8A8_GROUP = {
+    "targets": ["re:.*self_attn\\.(q|k|v|o)_proj$"],
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+}
+
+
+def test_main_model_quantization_config_is_kept_and_merged(tmp_path):
+    """A compressed-tensors main model keeps its groups, ignore list and format; the PLE group is added."""
+    main_config = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": W8A8_GROUP},
+                   "ignore": ["lm_head", "model.layers.0.ple.key_proj"], "quantization_status": "compressed"}  # fmt: skip
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
+    (src / "config.json").write_text(json.dumps({"quantization_config": main_config}))
+    main([str(src), str(tmp_path / "dst")])
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert written == {**main_config, "config_groups": {"group_0": W8A8_GROUP, **ple_quantization_config()["config_groups"]}}
+    assert ple_int8_scheme(written)
+
+
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"quant_method='fp8'.*compressed-tensors"),
+        (ple_quantization_config(), "already quantizes the PLE tables"),
+    ],
+)
+def test_refuses_unmergeable_main_configs(tmp_path, capsys, quantization_config, message):
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
+    (src / "config.json").write_text(json.dumps({"quantization_config": quantization_config}))
+    with pytest.raises(SystemExit):
+        main([str(src), str(tmp_path / "dst")])
+    assert re.search(message, capsys.readouterr().err)

@@ -154,11 +154,11 @@ def test_cpu_offload_needs_uva():
     check_uva(True, torch.device("cpu"), uva_available=False, platform="cpu")  # host memory is the device
 
 
-def test_int8_quantization_is_claimed_only_for_ple_tables(int8_path):
+def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(int8_path):
     import json
     from types import SimpleNamespace
 
-    from qwen4_exp_hcu.model.quant import claims
+    from qwen4_exp_hcu.model.quant import PLEInt8Config, claims
 
     qconfig = json.loads((int8_path / "config.json").read_text())["quantization_config"]
     ours = SimpleNamespace(architectures=["Qwen4ExpForCausalLM"])
@@ -167,6 +167,15 @@ def test_int8_quantization_is_claimed_only_for_ple_tables(int8_path):
     other = json.loads(json.dumps(qconfig))
     other["config_groups"]["ple_int8"]["targets"].append("Linear")
     assert not claims(other, ours)
+    # beside a main-model group: claimed, and the main layers see vLLM's config without the PLE group
+    mixed = json.loads(json.dumps(qconfig))
+    mixed["config_groups"]["group_0"] = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+    }
+    assert claims(mixed, ours)
+    assert list(PLEInt8Config.from_config(mixed).target_scheme_map) == ["Linear"]
     bad = json.loads(json.dumps(qconfig))
     bad["config_groups"]["ple_int8"]["weights"]["num_bits"] = 4
     with pytest.raises(ValueError, match="num_bits"):

@@ -118,3 +118,37 @@ def ple_quantization_config() -> dict:
         ignore=[],
     )
     return config.model_dump(mode="json")
+
+
+def ple_group_names(quantization_config: dict) -> list[str]:
+    """Config groups that target PLE tables only (every target names the n-gram embedding)."""
+    groups = quantization_config.get("config_groups") or {}
+    return [name for name, g in groups.items() if g.get("targets") and all("ngram_embedding" in t for t in g["targets"])]
+
+
+def without_ple_groups(quantization_config: dict) -> dict:
+    """The config as the main model sees it: the same, minus the PLE-table groups (a copy)."""
+    ple = set(ple_group_names(quantization_config))
+    groups = {k: v for k, v in (quantization_config.get("config_groups") or {}).items() if k not in ple}
+    return {**quantization_config, "config_groups": groups}
+
+
+def merge_ple_group(quantization_config: dict | None) -> dict:
+    """`quantization_config` plus our PLE group: the quantizer's output config. A main-model config is
+    kept as it is (compressed-tensors only: one config holds both)."""
+    ple = ple_quantization_config()
+    if not quantization_config:
+        return ple
+    method = quantization_config.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"the checkpoint's main weights use quant_method={method!r}; INT8 PLE tables can only be added to an "
+            "unquantized or compressed-tensors checkpoint (one quantization_config holds both)."
+        )
+    if ple_int8_scheme(quantization_config):
+        raise ValueError("the checkpoint's quantization_config already quantizes the PLE tables.")
+    groups = dict(quantization_config.get("config_groups") or {})
+    if _GROUP_NAME in groups:
+        raise ValueError(f"the checkpoint's quantization_config already has a group named {_GROUP_NAME!r}.")
+    groups[_GROUP_NAME] = ple["config_groups"][_GROUP_NAME]
+    return {**quantization_config, "config_groups": groups}

