@@ -13,6 +13,8 @@ SHARD = re.compile(r"ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight
 HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")  # under ple_embedding.
 LAYER_PARAMS = ("key_proj.weight", "value_proj.weight", "norm_key.weight", "norm_query.weight",
                 "norm_conv.weight", "conv1d.weight")  # fmt: skip
+# Statistics real checkpoints carry beside the hash buffers (transformers keeps them non-persistent): skipped.
+UNUSED = re.compile(r"ple_embedding\.(hashstats_\w+|token_lookup)$")
 # Matches the runtime table and its checkpoint shards, for compressed-tensors targets.
 TABLE_TARGET = r"re:.*ple_embedding\.ngram_embedding.*"
 TEXT_PREFIXES = ("model.", "model.language_model.")  # text-only and multimodal checkpoints

@@ -86,6 +86,25 @@ def test_intact_checkpoints_load(vllm_process, bf16_path, int8_path):
     assert {t["dtype"] for t in load(int8_path).ple_storage()} == {"int8"}
 
 
+def test_tensors_real_checkpoints_carry_are_skipped_and_unknown_ones_named(vllm_process, int8_path):
+    """Statistics transformers keeps non-persistent, the final mixer's unused injection and the MTP head's
+    weights load without error and change nothing; a tensor nobody knows still fails, named."""
+    hidden = 128 * 2  # tiny: hc_count * hidden_size
+
+    def add_extras(w):
+        w[PLE0 + "ple_embedding.hashstats_counts"] = torch.zeros(16, dtype=torch.int64)
+        w[PLE0 + "ple_embedding.token_lookup"] = torch.zeros(8, dtype=torch.int64)
+        w["model.hyper_connection_mixer.block_inject_weight.weight"] = torch.ones(2, hidden, dtype=torch.bfloat16)
+        w["mtp.fc.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
+
+    plain, extra = load(int8_path), load(int8_path, add_extras)
+    for a, b in zip(plain.state_dict().values(), extra.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert [torch.equal(a.table.weight, b.table.weight) for a, b in zip(plain.model.ple_blocks, extra.model.ple_blocks)] == [True, True]
+    with pytest.raises(ValueError, match=r"unexpected PLE checkpoint tensor model\.layers\.0\.ple\.ple_embedding\.hash_seed"):
+        load(int8_path, lambda w: w.__setitem__(PLE0 + "ple_embedding.hash_seed", torch.zeros(1)))
+
+
 def _drop(name):
     return lambda w: w.pop(name)
 

@@ -194,7 +194,12 @@ class Qwen4ExpModel(nn.Module):
 
 
 class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked=_STACKED, orig_to_new_prefix=_PREFIXES)
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked=_STACKED,
+        orig_to_new_prefix=_PREFIXES,
+        # the final mixer collapses the streams without injecting (transformers: use_combine=False)
+        orig_to_new_suffix={"hyper_connection_mixer.block_inject_weight.weight": None},
+    )
     # Fused layer -> its checkpoint parts, for quantization configs that name the parts.
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE
+from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
@@ -181,7 +181,10 @@ class PLELayer(nn.Module):
     # ---- weights -----------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
         """Take one checkpoint tensor named relative to `model.layers.{i}.ple.` (`prefix`, for errors):
-        a table shard, a hash buffer (checked against the config) or a layer parameter."""
+        a table shard, a hash buffer (checked against the config), a layer parameter, or statistics that
+        are skipped; anything else is an error naming the tensor."""
+        if UNUSED.search(name):
+            return
         if m := SHARD.search(name):
             self._load_shard(int(m.group(1)), m.group(2), tensor, f"{prefix}{name}")
         elif name.removeprefix("ple_embedding.") in HASH_BUFFERS:
