@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 import torch
 
+from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
 
 
@@ -31,18 +32,25 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
     return torch.from_numpy(buf)[:nbytes].view(dtype).view(shape)
 
 
-def gather_dequant_reference(ids, weight, scale, start: int) -> torch.Tensor:
-    """Torch reference of the fused kernel: [T, H] ids -> [T, H*d] bf16, zeros for rows not owned."""
-    n, d = weight.shape
+def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None) -> torch.Tensor:
+    """Torch reference of the fused kernel: [T, H] ids -> [T, H*d] bf16, zeros for rows not owned.
+    The row format follows the storage dtypes (`ple.formats.table_format`)."""
+    fmt = table_format(weight, scale)
+    n, d = weight.shape[0], row_width(weight, fmt)
     local = ids.long() - start
     owned = (local >= 0) & (local < n)
     if n == 0:
         return torch.zeros(*ids.shape[:-1], ids.shape[-1] * d, dtype=torch.bfloat16, device=ids.device)
-    local = local.clamp(0, n - 1)
-    if scale is None:
-        vals = weight[local].to(torch.bfloat16)
+    rows = local.clamp(0, n - 1).reshape(-1)
+    if fmt == "bf16":
+        vals = weight[rows]
+    elif fmt == "int8":
+        vals = dequantize_rows(weight[rows], scale[rows])
+    elif fmt == "fp8":
+        vals = dequantize_fp8_rows(weight[rows], scale)
     else:
-        vals = dequantize_rows(weight[local].view(-1, d), scale[local].view(-1, 1)).view(*local.shape, d)
+        vals = dequantize_nvfp4_rows(weight[rows], scale[rows], global_scale)
+    vals = vals.view(*local.shape, d)
     vals = torch.where(owned[..., None], vals, torch.zeros((), dtype=torch.bfloat16, device=vals.device))
     return vals.flatten(-2)
 

@@ -1,0 +1,51 @@
+"""PLE table row formats besides INT8 (`int8`), as upstream vLLM writes them, with their torch references.
+
+* `fp8`: float8 e4m3 rows, one fp32 scale for the whole tensor: `w = e4m3 * scale`.
+* `nvfp4`: e2m1 values packed two per byte (`weight` uint8 `[rows, d/2]`, low nibble = even column),
+  one e4m3 scale per 16 values (`weight_scale` `[rows, d/16]`) and one fp32 `weight_scale_2` for the
+  tensor: `w = (e2m1 * block_scale) * weight_scale_2`, in that order.
+Every dequantization ends with one fp32 -> bf16 rounding (to nearest even), which the fused kernel
+reproduces bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NVFP4_BLOCK = 16
+# e2m1 magnitudes by code & 7 (sign in bit 3)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def table_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """The row format a (weight, scale) pair is stored in, from their dtypes."""
+    if weight.dtype == torch.bfloat16 and scale is None:
+        return "bf16"
+    if weight.dtype == torch.int8:
+        return "int8"
+    if weight.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if weight.dtype == torch.uint8 and scale is not None and scale.dtype == torch.float8_e4m3fn:
+        return "nvfp4"
+    raise ValueError(f"PLE table: no row format stores weight {weight.dtype} with scale {getattr(scale, 'dtype', None)}.")
+
+
+def row_width(weight: torch.Tensor, fmt: str) -> int:
+    """Values per row (a packed NVFP4 byte holds two)."""
+    return weight.shape[-1] * (2 if fmt == "nvfp4" else 1)
+
+
+def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight.float() * scale.float().reshape(())).to(torch.bfloat16)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[..., d/2]` -> fp32 `[..., d]` e2m1 values (low nibble first)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    values = _E2M1.to(packed.device)[codes & 7]
+    return torch.where(codes >= 8, -values, values)
+
+
+def dequantize_nvfp4_rows(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    values = unpack_e2m1(packed) * block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
+    return (values * global_scale.float().reshape(())).to(torch.bfloat16)
