@@ -6,7 +6,9 @@ Without --config the transformers defaults are used (vocab 248 320, hidden 2048,
 base 20 M rows per head) with `--num-ple-layers` PLE layers. For every TP in 1..8 and DP in 1..8 it
 reports, per rank: table bytes (BF16 vs INT8+scale) on the GPU or in host memory, and per step with
 `--tokens` tokens per DP rank: host->GPU (PCIe) bytes of the offloaded lookup and ETP combine bytes,
-with and without `embedding_across_dp`. Writes benchmarks/results/plan_memory.json.
+with and without `embedding_across_dp` — across DP ours (each TP rank sends a 1/TP slice of its replica's
+tokens) beside upstream vLLM's (DP gather of ids + all-reduce over TP x DP).
+Writes benchmarks/results/plan_memory.json.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from qwen4_exp_hcu.ple.etp import combine_bytes_per_token, owned_rows
+from qwen4_exp_hcu.ple.etp import combine_bytes, owned_rows, upstream_bytes_per_token
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 
 
@@ -45,7 +47,10 @@ def plan(cfg, tokens: int) -> list[dict]:
                     "int8_table_bytes_per_rank": owned * (dim + 2),
                     # ids an ETP rank looks up per step: its DP replica's tokens, or every replica's
                     "pcie_bytes_per_step_int8": round(len(rows) * tokens * heads * (dim + 2) * (dp if across else 1) / world),
-                    "etp_bytes_per_step": len(rows) * tokens * combine_bytes_per_token(world, across, heads, dim),
+                    "etp_bytes_per_step": len(rows) * combine_bytes(world, across, heads, dim, tokens, tp),
+                    "etp_bytes_per_step_upstream": round(
+                        len(rows) * tokens * (upstream_bytes_per_token(world, dp, heads, dim) if across else 2 * (tp - 1) / tp * heads * dim * 2)
+                    ),
                 }
                 out.append(row)
     return out
@@ -61,12 +66,13 @@ def main() -> None:
     cfg = load_config(args.config, args.num_ple_layers)
     rows = plan(cfg, args.tokens)
     gib = 2**30
-    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12}")
+    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")
     for r in rows:
         if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2, 4, 8):
             print(f"{r['tp']:>2} {r['dp']:>2} {'y' if r['embedding_across_dp'] else 'n':>3} | "
                   f"{r['bf16_table_bytes_per_rank'] / gib:9.2f} {r['int8_table_bytes_per_rank'] / gib:9.2f} | "
-                  f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f}")
+                  f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f} "
+                  f"{r['etp_bytes_per_step_upstream'] / 2**20:9.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "plans": rows}, indent=1))
 

@@ -158,6 +158,7 @@ class Topology:
     group: Group | None  # this rank's ETP group; None: every rank its whole table, nothing combined
     across_dp: bool  # embedding_across_dp: the group's ranks hold different tokens
     dp: int  # the DP replica whose tokens (schedule) this rank runs
+    replica: Group | None = None  # across DP: the ranks of this rank's replica (its TP group)
 
 
 # ---- the NCCL worker of test_multi_gpu.py (2 GPUs) and test_multi_gpu_4.py (4 GPUs) ------------------
@@ -183,10 +184,11 @@ BENCH_TOKENS = (64, 256, 2048)
 BENCH_ITERS = 20
 
 
-def _build_gpu(cfg, sds, dev, group, across):
+def _build_gpu(cfg, sds, dev, group, across, replica=None):
     return [
         PLELayer.from_state_dict(
-            cfg, i, sd, quantized=q, dtype=torch.float32, device=dev, host_table=True, etp_group=group, across_dp=across
+            cfg, i, sd, quantized=q, dtype=torch.float32, device=dev, host_table=True, etp_group=group, across_dp=across,
+            replica_group=replica,
         )
         for (i, q), sd in zip(NCCL_LAYERS, sds)
     ]
@@ -313,7 +315,7 @@ class NcclWorker:
 
 def _topology_case(w: NcclWorker, topo: Topology) -> dict:
     cfg, dev, refs, static, failures = w.cfg, w.dev, w.refs, w.static, w.failures
-    layers = _build_gpu(cfg, w.sds, dev, topo.group, topo.across_dp)
+    layers = _build_gpu(cfg, w.sds, dev, topo.group, topo.across_dp, topo.replica)
     assert all(l.table.weight.is_pinned() for l in layers), "tables must be in pinned host memory"
     ws = PrefetchWorkspace(layers, NCCL_CAP, dev)
     info = {"dp": topo.dp, "rows": [[l.table.start, l.table.end] for l in layers],
@@ -387,7 +389,10 @@ def _bench(rank, dev, topo: Topology):
         ngram_size=3, heads_per_ngram=8, ple_embed_dim=16 * 128, ngram_vocab_size_base=200_003,
         make_ngram_vocab_size_divisible_by=128, split_ngram_parts=16, vocab_size=248_320,
     )
-    etp = PLELayer(cfg, 0, quantized=True, device=dev, host_table=True, etp_group=topo.group, across_dp=topo.across_dp)
+    etp = PLELayer(
+        cfg, 0, quantized=True, device=dev, host_table=True, etp_group=topo.group, across_dp=topo.across_dp,
+        replica_group=topo.replica,
+    )
     solo = PLELayer(cfg, 0, quantized=True, device=dev, host_table=True)
     full = torch.randint(-127, 127, (solo.table.rows, solo.table.dim), dtype=torch.int8, device=dev, generator=torch.Generator(dev).manual_seed(0))
     solo.table.weight.copy_(full)
@@ -398,7 +403,7 @@ def _bench(rank, dev, topo: Topology):
     state = PLEState.zeros(solo.state_shapes(), 1, torch.bfloat16, dev)  # one slot; lookup reads its n-gram context
     H, rows = solo.spec.num_heads, []
     for T in BENCH_TOKENS:
-        seed = 1000 + T + (rank if topo.across_dp else 0)
+        seed = 1000 + T + (topo.dp if topo.across_dp else 0)  # the TP ranks of one replica: the same tokens
         ids = torch.randint(0, cfg.vocab_size, (T,), device=dev, generator=torch.Generator(dev).manual_seed(seed))
         batch = PLEBatch(ids, torch.tensor([0, T], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
                          torch.zeros(1, dtype=torch.bool, device=dev))  # fmt: skip
@@ -415,7 +420,7 @@ def _bench(rank, dev, topo: Topology):
         rows.append({
             "tokens_per_rank": T,
             "bytes_per_token": etp.etp.bytes_per_token(H),
-            "etp_bytes_per_rank": etp.etp.bytes_per_token(H) * T,
+            "etp_bytes_per_rank": etp.etp.combine_bytes(H, T),
             "table_rows_owned": etp.table.end - etp.table.start,
             "lookup_ms_etp_eager": _time_ms(lambda: etp.lookup(bounded, state), BENCH_ITERS),
             "lookup_ms_single_gpu_eager": _time_ms(lambda: solo.lookup(batch, state), BENCH_ITERS),

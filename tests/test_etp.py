@@ -53,23 +53,25 @@ MAX_T = [max(t[s] for t in TOKENS) for s in range(NSTEPS)]
 MT_MODES = (None, "exact", "padded")  # max_tokens: not passed / max over the DP ranks / workspace capacity
 
 # The tiny config has H = (3-1)*2 = 4 heads of d = 8: one token's embedding is 4*8 bf16 = 64 B, its row
-# ids 4 int64 = 32 B. Per-rank ring volume per token: all-reduce 2(W-1)/W * 64; across DP all-gather of ids
-# (W-1)*32 plus reduce-scatter of rows (W-1)*64.
+# ids 4 int64 = 32 B. Per-rank ring volume per token: all-reduce 2(W-1)/W * 64; across DP, per token of the
+# replica (each of its TP ranks sends a 1/TP slice): ((W-1)*(32 + 64) + (TP-1)*64) / TP.
 HEADS, HEAD_DIM = 4, 8
 HAND_BYTES_PER_TOKEN = {
     "tp2": 2 * 1 * 64 // 2,  # 64
     "dp2": 0,  # no group: nothing moves
     "dp2_across": 1 * 32 + 1 * 64,  # 96
     "tp2xdp2": 2 * 1 * 64 // 2,  # 64 (within each TP pair)
-    "tp2xdp2_across": 3 * 32 + 3 * 64,  # 288
+    "tp2xdp2_across": (3 * (32 + 64) + 64) // 2,  # 176 (288 when every TP rank sent every token)
 }
 CASES = {2: ("tp2", "dp2", "dp2_across"), 4: ("tp2xdp2", "tp2xdp2_across")}
 
 
 # ---- worker side ---------------------------------------------------------------------------------
-def _build(cfg, sds, group, across):
+def _build(cfg, sds, group, across, replica=None):
     return [
-        PLELayer.from_state_dict(cfg, i, sd, quantized=q, dtype=torch.float32, etp_group=group, across_dp=across)
+        PLELayer.from_state_dict(
+            cfg, i, sd, quantized=q, dtype=torch.float32, etp_group=group, across_dp=across, replica_group=replica
+        )
         for (i, q), sd in zip(LAYERS, sds)
     ]
 
@@ -107,17 +109,17 @@ def _run_steps(cfg, layers, dp, prefetch, mt_mode):
 
 
 def _expected_bytes(layer, dp, mt_mode):
-    """Bytes the ETP combine of one layer moves over all steps, from `bytes_per_token`."""
+    """Bytes the ETP combine of one layer moves over all steps, from `combine_bytes`."""
     g = layer.etp.group
     if g is None:
         return 0
-    bpt, total = layer.etp.bytes_per_token(HEADS), 0
+    total = 0
     for step in range(NSTEPS):
         if not layer.etp.across_dp:
-            total += bpt * TOKENS[dp][step]
+            total += layer.etp.combine_bytes(HEADS, TOKENS[dp][step])
         else:
             mt = {None: MAX_T[step], "exact": MAX_T[step], "padded": CAP}[mt_mode]
-            total += bpt * mt + (8 * (g.world_size - 1) if mt_mode is None else 0)  # + token-count exchange
+            total += layer.etp.combine_bytes(HEADS, mt) + (8 * (g.world_size - 1) if mt_mode is None else 0)  # + count exchange
     return total
 
 
@@ -126,9 +128,10 @@ def _topologies(rank, world):
         everyone = TorchGroup()
         return [Topology("tp2", everyone, False, 0), Topology("dp2", None, False, rank), Topology("dp2_across", everyone, True, rank)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every subgroup, same order
+    pair = TorchGroup(pairs[rank // 2])
     return [
-        Topology("tp2xdp2", TorchGroup(pairs[rank // 2]), False, rank // 2),
-        Topology("tp2xdp2_across", TorchGroup(), True, rank // 2),
+        Topology("tp2xdp2", pair, False, rank // 2),
+        Topology("tp2xdp2_across", TorchGroup(), True, rank // 2, replica=pair),
     ]
 
 
@@ -199,7 +202,8 @@ def _etp_worker(rank, world, tmp, weights_path):
     for topo in _topologies(rank, world):
         name, group, dp = topo.name, topo.group, topo.dp
         counting = CountingGroup(group) if group is not None else None
-        layers = _build(cfg, sds, counting, topo.across_dp)
+        replica = CountingGroup(topo.replica) if topo.replica is not None else None
+        layers = _build(cfg, sds, counting, topo.across_dp, replica)
         case = result["cases"][name] = {
             "dp": dp,
             "rows": [[l.table.start, l.table.end, l.spec.rows] for l in layers],
@@ -219,14 +223,15 @@ def _etp_worker(rank, world, tmp, weights_path):
         for prefetch in (False, True):
             for mt_mode in MT_MODES:
                 label = f"{name} rank {rank} prefetch={'on' if prefetch else 'off'} max_tokens={mt_mode}"
-                if counting is not None:
-                    counting.reset()
+                for c in (counting, replica):
+                    if c is not None:
+                        c.reset()
                 try:
                     got = _run_steps(cfg, layers, dp, prefetch, mt_mode)
                 except Exception:
                     raise RuntimeError(f"{label} raised:\n{traceback.format_exc()}") from None
                 compare_steps(got, ref_runs[dp], label, failures)
-                moved = counting.bytes if counting is not None else 0
+                moved = sum(c.bytes for c in (counting, replica) if c is not None)
                 want = sum(_expected_bytes(l, dp, mt_mode) for l in layers)
                 if moved != want:
                     failures.append(f"{label}: combine moved {moved} B, bytes_per_token predicts {want} B")
@@ -382,3 +387,16 @@ def test_forward_with_no_requests():
     batch = PLEBatch.from_lengths(torch.zeros(0, dtype=torch.int64), [], [], [])
     out = layer(torch.zeros(0, cfg.hidden_size * cfg.hc_count), batch, state)
     assert out.shape == (0, cfg.hidden_size * cfg.hc_count)
+
+
+def test_across_dp_moves_at_most_upstreams_bytes():
+    """Each token once (1/TP slices) beats upstream's DP gather + all-reduce at every TP x DP <= 8 x 8,
+    real head geometry (16 heads x 128)."""
+    from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
+
+    for tp in range(1, 9):
+        for dp in range(2, 9):
+            tokens = 256 * tp  # a multiple of TP: per-token rates compare exactly
+            ours = combine_bytes(tp * dp, True, 16, 128, tokens, tp)
+            assert ours <= upstream_bytes_per_token(tp * dp, dp, 16, 128) * tokens, (tp, dp)
+            assert ours < (tp * dp - 1) * (16 * 8 + 16 * 128 * 2) * tokens or tp == 1  # every TP rank sending every token

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, Topology, run_nccl_workers, write_etp_results
-from qwen4_exp_hcu.ple.etp import TorchGroup, owned_rows
+from qwen4_exp_hcu.ple.etp import TorchGroup, combine_bytes, owned_rows
 
 pytestmark = [
     pytest.mark.multi_gpu,
@@ -32,27 +32,33 @@ pytestmark = [
 
 WORLD, TP = 4, 2
 # bytes per token per rank (ring volume): tiny layers 4 heads x d=8 (64 B rows, 32 B of ids); real geometry
-# 16 heads x 128 (4096 B rows, 128 B of ids). TP pair: all-reduce 2(W-1)/W rows; across 4: 3 ids + 3 rows.
-BYTES_PER_TOKEN = {"tp2xdp2": (2 * 1 * 64 // 2, 4096), "tp2xdp2_across": (3 * 32 + 3 * 64, 3 * 16 * 8 + 3 * 4096)}
+# 16 heads x 128 (4096 B rows, 128 B of ids). TP pair: all-reduce 2(W-1)/W rows; across 4, per replica token:
+# each TP rank sends half of them, (3 ids + 3 rows) / 2, and gathers the other half's rows in its pair, 1 row / 2.
+BYTES_PER_TOKEN = {
+    "tp2xdp2": (2 * 1 * 64 // 2, 4096),
+    "tp2xdp2_across": ((3 * (32 + 64) + 64) // 2, (3 * (16 * 8 + 4096) + 4096) // 2),
+}
 
 
 def _topologies_tp2xdp2(rank):
     """This rank's cases; every rank creates both pair groups, in the same order."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = TorchGroup(pairs[rank // TP])
     return (
-        Topology("tp2xdp2", TorchGroup(pairs[rank // TP]), False, rank // TP),
-        Topology("tp2xdp2_across", TorchGroup(), True, rank // TP),
+        Topology("tp2xdp2", pair, False, rank // TP),
+        Topology("tp2xdp2_across", TorchGroup(), True, rank // TP, replica=pair),
     )
 
 
 def _schedule_bytes(case, across):
     """Per eager step of this rank's replica: its tokens, the tokens the combine moves (across DP: the
     largest replica's, max_tokens passed) and the bytes that makes per rank."""
-    bpt, rows = sum(case["bytes_per_token"]), []
+    rows = []
     for step in range(NCCL_NSTEPS):
         tokens = sum(n for _, n, _ in NCCL_SCHEDULES[case["dp"]][step])
         moved = NCCL_MAX_T[step] if across else tokens
-        rows.append({"step": step, "tokens": tokens, "combined_tokens": moved, "etp_bytes_per_rank": bpt * moved})
+        nbytes = len(case["bytes_per_token"]) * combine_bytes(WORLD if across else TP, across, 4, 8, moved, TP)
+        rows.append({"step": step, "tokens": tokens, "combined_tokens": moved, "etp_bytes_per_rank": nbytes})
     return rows
 
 

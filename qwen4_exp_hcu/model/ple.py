@@ -95,6 +95,12 @@ class PLEPlacement:
         group = get_etp_group()
         return group if group.world_size > 1 else None
 
+    def replica_group(self):
+        """Across DP: the TP ranks of this rank's DP replica (they hold the same tokens)."""
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group() if self.across_dp else None
+
 
 def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
     """Host-resident tables are read by accelerator kernels over UVA; without it, fail before loading."""
@@ -182,6 +188,7 @@ class PLEBlock(nn.Module, MambaBase):
             host_table=placement.cpu_offload,
             etp_group=placement.etp_group(),
             across_dp=placement.across_dp,
+            replica_group=placement.replica_group(),
             dtype=self.model_dtype,
         )
         self.kv_cache = (torch.tensor([]), torch.tensor([]))

@@ -1,10 +1,15 @@
 """ETP lookup: a PLE table's rows split into contiguous ranges over an embedding-parallel group.
 
 The group is the TP group (every rank holds the same tokens: each looks up its own rows, zeros for the
-rest, and an all-reduce sums them) or, with ``embedding_across_dp``, TP x DP ranks holding different
-tokens: ids are all-gathered (padded to the largest rank), every rank looks up its rows for all of
-them, and a reduce-scatter hands each rank the sum for its own tokens. Combining happens in bf16 after
-the fused dequant; since exactly one rank owns each row, the sum is exact.
+rest, and an all-reduce sums them) or, with ``embedding_across_dp``, TP x DP ranks where only the TP ranks
+of one DP replica (its `replica` group) hold the same tokens. Then each TP rank takes a 1/TP slice of its
+replica's tokens, so every token of the step appears exactly once: slices of ids are all-gathered over
+the group (padded to the largest), every rank looks up its rows for all of them, a reduce-scatter hands
+each rank the sum for its own slice, and an all-gather within the replica puts the replica's tokens back
+together. Per rank that moves ((W-1)(ids + row) + (TP-1) row) / TP bytes per replica token, against
+(W-1)(ids + row) when every TP rank sends every token (TP times the same ids) and 2(W-1)/W * DP rows + (DP-1)
+ids for upstream vLLM's DP gather + all-reduce (`upstream_bytes_per_token`). Combining happens in bf16
+after the fused dequant; since exactly one rank owns each row, the sum is exact.
 
 Collectives go through a small group interface that vLLM's `GroupCoordinator` satisfies as is
 (`world_size`, `rank_in_group`, `all_reduce`, `all_gather(x, dim)`, `reduce_scatter(x, dim)`) and that
@@ -67,31 +72,57 @@ def owned_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def combine_bytes_per_token(world: int, across_dp: bool, num_heads: int, dim: int) -> int:
-    """Bytes each rank sends/receives per token through the combine (ring-algorithm volume): an
-    all-reduce of bf16 rows within TP; across DP, an all-gather of int64 ids and a reduce-scatter of rows."""
+def combine_bytes(world: int, across_dp: bool, num_heads: int, dim: int, tokens: int, replica: int = 1) -> int:
+    """Bytes each rank sends/receives (ring volume) combining one step: `tokens` = this rank's tokens, or
+    across DP the step's token bound (largest replica); `replica` = TP ranks per DP replica."""
     if world == 1:
         return 0
-    emb = num_heads * dim * 2
+    row = num_heads * dim * 2
     if not across_dp:
-        return 2 * (world - 1) * emb // world
-    return (world - 1) * num_heads * 8 + (world - 1) * emb
+        return 2 * (world - 1) * row * tokens // world
+    s = -(-tokens // replica)  # each TP rank's slice
+    return (world - 1) * s * (num_heads * 8 + row) + (replica - 1) * s * row
+
+
+def upstream_bytes_per_token(world: int, dp: int, num_heads: int, dim: int) -> float:
+    """Upstream vLLM's across-DP combine, per replica token: ids all-gathered over DP, rows all-reduced
+    over the TP x DP group (for `plan_memory` to compare)."""
+    row = num_heads * dim * 2
+    return (dp - 1) * num_heads * 8 + 2 * (world - 1) / world * dp * row
 
 
 class ETPLookup:
     """A PLE table sharded over `group` by rows: builds this rank's `PLETable` (its owned range) and looks
-    rows up, combining over the group; `across_dp` when the ranks hold different tokens."""
+    rows up, combining over the group; `across_dp` when the ranks hold different tokens, with `replica`
+    the ranks of this rank's DP replica (its TP group; None: one rank per replica)."""
 
-    def __init__(self, rows: int, dim: int, group: Group | None = None, across_dp: bool = False, **table_kw):
+    def __init__(
+        self, rows: int, dim: int, group: Group | None = None, across_dp: bool = False,
+        replica: Group | None = None, **table_kw,
+    ):  # fmt: skip
         self.group = group if group is not None and group.world_size > 1 else None
         self.across_dp = across_dp and self.group is not None
+        self.replica = replica if self.across_dp and replica is not None and replica.world_size > 1 else None
+        if self.replica is not None and self.group.world_size % self.replica.world_size:
+            raise ValueError(
+                f"ETP group of {self.group.world_size} ranks is not a whole number of DP replicas of "
+                f"{self.replica.world_size} ranks."
+            )
         rank, world = (group.rank_in_group, group.world_size) if self.group is not None else (0, 1)
         start, end = owned_rows(rows, rank, world)
         self.table = PLETable(rows, dim, start=start, end=end, **table_kw)
 
     def bytes_per_token(self, num_heads: int) -> int:
+        """Bytes this rank moves per token of its own (across DP: per token of its replica, a multiple
+        of the replica size)."""
+        tp = self.replica.world_size if self.replica is not None else 1
+        return self.combine_bytes(num_heads, tp) // tp
+
+    def combine_bytes(self, num_heads: int, tokens: int) -> int:
+        """Bytes this rank moves combining one step of `tokens` (across DP: the step's token bound)."""
         world = self.group.world_size if self.group is not None else 1
-        return combine_bytes_per_token(world, self.across_dp, num_heads, self.table.dim)
+        tp = self.replica.world_size if self.replica is not None else 1
+        return combine_bytes(world, self.across_dp, num_heads, self.table.dim, tokens, tp)
 
     def token_bound(self, tokens: int, max_tokens: int | None, device) -> int | None:
         """Across DP, the most tokens any rank holds this step: `max_tokens` when the caller knows it
@@ -115,8 +146,11 @@ class ETPLookup:
             return summed if out is None or summed is out else out.copy_(summed)
         T = ids.shape[0]
         bound = self.token_bound(T, max_tokens, ids.device)
-        padded = torch.full((bound, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)
-        padded[:T] = ids
-        partial = self.table.lookup(g.all_gather(padded, dim=0))
-        mine = g.reduce_scatter(partial, dim=0)[:T]
-        return mine if out is None else out.copy_(mine)
+        tp, r = (self.replica.world_size, self.replica.rank_in_group) if self.replica is not None else (1, 0)
+        s = -(-bound // tp)  # this rank's slice of its replica's tokens, padded to the largest
+        mine = ids[min(r * s, T) : min((r + 1) * s, T)]
+        padded = torch.full((s, ids.shape[1]), -1, dtype=ids.dtype, device=ids.device)
+        padded[: mine.shape[0]] = mine
+        summed = g.reduce_scatter(self.table.lookup(g.all_gather(padded, dim=0)), dim=0)  # [s, H*d]
+        rows = self.replica.all_gather(summed, dim=0) if self.replica is not None else summed
+        return rows[:T] if out is None else out.copy_(rows[:T])

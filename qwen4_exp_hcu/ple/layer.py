@@ -55,6 +55,7 @@ class PLELayer(nn.Module):
         host_table: bool = False,
         etp_group: Group | None = None,
         across_dp: bool = False,
+        replica_group: Group | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
@@ -65,7 +66,7 @@ class PLELayer(nn.Module):
         self.state_len = self._state_shapes[1][0]
         embed_dim, width = spec.num_heads * spec.head_dim, self.hidden * self.hc
         self.etp = ETPLookup(
-            spec.rows, spec.head_dim, etp_group, across_dp, quantized=quantized, device=device,
+            spec.rows, spec.head_dim, etp_group, across_dp, replica_group, quantized=quantized, device=device,
             host=host_table, shard_rows=-(-spec.rows // text_config.split_ngram_parts),
         )  # fmt: skip
         kw = dict(device=device, dtype=dtype)
