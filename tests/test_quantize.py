@@ -243,16 +243,20 @@ def test_main_model_quantization_config_is_kept_and_merged(tmp_path):
     assert ple_int8_scheme(written)
 
 
-@pytest.mark.parametrize(
-    "quantization_config, message",
-    [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"quant_method='fp8'.*compressed-tensors"),
-        (ple_quantization_config(), "already quantizes the PLE tables"),
-    ],
-)
-def test_refuses_unmergeable_main_configs(tmp_path, capsys, quantization_config, message):
+def test_other_main_methods_keep_their_config_and_gain_a_ple_entry(tmp_path):
+    """`quant_method: fp8` (or any non-compressed-tensors method) stays as it is; the PLE tables are
+    declared under `ple_tables` beside it."""
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
-    (src / "config.json").write_text(json.dumps({"quantization_config": quantization_config}))
+    (src / "config.json").write_text(json.dumps({"quantization_config": fp8}))
+    main([str(src), str(tmp_path / "dst")])
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert written == {**fp8, "ple_tables": ple_quantization_config()}
+
+
+def test_refuses_a_checkpoint_whose_tables_are_already_declared(tmp_path, capsys):
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
+    (src / "config.json").write_text(json.dumps({"quantization_config": ple_quantization_config()}))
     with pytest.raises(SystemExit):
         main([str(src), str(tmp_path / "dst")])
-    assert re.search(message, capsys.readouterr().err)
+    assert "already quantizes the PLE tables" in capsys.readouterr().err

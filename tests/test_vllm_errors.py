@@ -194,7 +194,14 @@ def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(in
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
     }
     assert claims(mixed, ours)
-    assert list(PLEInt8Config.from_config(mixed).target_scheme_map) == ["Linear"]
+    main = PLEInt8Config.from_config(mixed)  # vLLM's own compressed-tensors config, without the PLE group
+    assert type(main).__name__ == "CompressedTensorsConfig" and list(main.target_scheme_map) == ["Linear"]
+    # beside another method: the PLE tables under `ple_tables`, the main model gets that method's config
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "ple_tables": qconfig}
+    assert claims(fp8, ours)
+    main = PLEInt8Config.from_config(fp8)
+    assert type(main).__name__ == "Fp8Config" and main.weight_block_size == [128, 128]
+    assert not claims({k: v for k, v in fp8.items() if k != "ple_tables"}, ours)
     bad = json.loads(json.dumps(qconfig))
     bad["config_groups"]["ple_int8"]["weights"]["num_bits"] = 4
     with pytest.raises(ValueError, match="num_bits"):

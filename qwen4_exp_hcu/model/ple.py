@@ -113,13 +113,13 @@ def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, plat
 
 
 def checkpoint_has_int8_tables(vllm_config: VllmConfig) -> bool:
-    """Whether the checkpoint's compressed-tensors config stores the PLE tables as INT8 rows (validated)."""
-    from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme
+    """Whether the checkpoint declares its PLE tables as INT8 rows (validated, every table or none)."""
+    from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_tables_config
 
     config = vllm_config.model_config.hf_text_config
     qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
     names = [f"{index.prefix}{TABLE}" for index in ple_layers(config)]
-    return ple_int8_scheme(qconfig, names)
+    return ple_int8_scheme(ple_tables_config(qconfig), names)
 
 
 # ---- the step batch -------------------------------------------------------------------------------------

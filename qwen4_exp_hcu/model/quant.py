@@ -1,18 +1,20 @@
-"""Quantization method for Qwen4Exp checkpoints whose PLE tables are INT8 rows, whatever quantizes the rest.
+"""Quantization entry point for Qwen4Exp checkpoints whose PLE tables are INT8 rows, whatever quantizes the rest.
 
-Such checkpoints (the HCU releases, or our quantizer's output) carry one compressed-tensors
-`quantization_config`: a weight-only `int-quantized` group for the PLE tables (one bf16 scale per row) and,
-optionally, groups for the main model (W8A8-INT8, W8A8-FP8, W4A16, ...). vLLM's compressed-tensors parser
-reads the PLE group as W8A8 and rejects it. This method *is* vLLM's `CompressedTensorsConfig`, built from
-the config minus the PLE groups: every main-model layer gets exactly the method vLLM gives it, and the PLE
-layers read their INT8 shards themselves (`model.ple.PLEPlacement`). Claimed through vLLM's
-`override_quantization_method` hook, for our architectures only.
+Such checkpoints declare the tables in their `quantization_config`: a weight-only compressed-tensors
+`int-quantized` group (the HCU layout, beside the main model's groups), or, when the main model uses
+another method (`quant_method: fp8`, ...), a compressed-tensors config under `ple_tables` next to it.
+vLLM's compressed-tensors parser reads the PLE group as W8A8 and rejects it, so this method claims those
+checkpoints (for our architectures only, through vLLM's `override_quantization_method` hook) and builds
+**the main model's own vLLM config** from the rest: every main-model layer gets exactly the method and
+kernels vLLM gives that scheme, and the PLE layers read their INT8 shards themselves
+(`model.ple.PLEPlacement`). No scheme is re-implemented here.
 """
 
 from typing import Any
 
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+import torch
+from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from qwen4_exp_hcu.env import our_architectures
 
@@ -20,29 +22,45 @@ NAME = "qwen4_exp_hcu_ple_int8"
 
 
 def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
-    """A compressed-tensors config, for our model class, with a PLE-table group in our INT8 row format."""
-    from qwen4_exp_hcu.ple.int8_scheme import ple_group_names, ple_int8_scheme
+    """A checkpoint of our model class that declares INT8 PLE tables (raises for another PLE scheme)."""
+    from qwen4_exp_hcu.ple.int8_scheme import declares_int8_tables
 
-    if not hf_quant_cfg or hf_quant_cfg.get("quant_method") != "compressed-tensors":
-        return False
     if not our_architectures() & set(getattr(hf_config, "architectures", None) or []):
         return False
-    return bool(ple_group_names(hf_quant_cfg)) and ple_int8_scheme(hf_quant_cfg)  # raises for other PLE schemes
+    return declares_int8_tables(hf_quant_cfg)
 
 
 @register_quantization_config(NAME)
-class PLEInt8Config(CompressedTensorsConfig):
+class PLEInt8Config(QuantizationConfig):
+    """Never instantiated: `from_config` returns the main model's config, of vLLM's own class."""
+
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PLEInt8Config":
-        from qwen4_exp_hcu.ple.int8_scheme import without_ple_groups
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        from qwen4_exp_hcu.ple.int8_scheme import main_model_config
 
-        return super().from_config(without_ple_groups(config))
-
-    def get_name(self) -> str:
-        return NAME
+        main = main_model_config(config)
+        return get_quantization_config(main["quant_method"]).from_config(main)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         if user_quant not in (None, NAME):
             return None
         return NAME if claims(hf_quant_cfg, hf_config) else None
+
+    # QuantizationConfig's interface; vLLM asks the instance `from_config` returns, never this class.
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        raise NotImplementedError("PLEInt8Config.from_config returns the main model's own config.")

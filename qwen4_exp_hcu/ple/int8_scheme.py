@@ -120,33 +120,53 @@ def ple_quantization_config() -> dict:
     return config.model_dump(mode="json")
 
 
+# Where a checkpoint whose main model uses another method (`quant_method: fp8`, ...) declares our INT8 PLE
+# tables: a compressed-tensors config of its own under this key of its `quantization_config`.
+PLE_KEY = "ple_tables"
+
+
 def ple_group_names(quantization_config: dict) -> list[str]:
     """Config groups that target PLE tables only (every target names the n-gram embedding)."""
     groups = quantization_config.get("config_groups") or {}
     return [name for name, g in groups.items() if g.get("targets") and all("ngram_embedding" in t for t in g["targets"])]
 
 
-def without_ple_groups(quantization_config: dict) -> dict:
-    """The config as the main model sees it: the same, minus the PLE-table groups (a copy)."""
+def ple_tables_config(quantization_config: dict | None) -> dict | None:
+    """The compressed-tensors config that declares the PLE tables: the checkpoint's own, or its
+    `ple_tables` entry beside another method."""
+    if not quantization_config:
+        return None
+    if quantization_config.get("quant_method") == "compressed-tensors":
+        return quantization_config
+    return quantization_config.get(PLE_KEY)
+
+
+def declares_int8_tables(quantization_config: dict | None) -> bool:
+    """Whether a checkpoint's `quantization_config` declares PLE tables in our INT8 row format, in a
+    group of their own. Raises for a declaration with another scheme."""
+    tables = ple_tables_config(quantization_config)
+    return tables is not None and bool(ple_group_names(tables)) and ple_int8_scheme(tables)
+
+
+def main_model_config(quantization_config: dict) -> dict:
+    """The config as the main model's own method reads it: without the PLE declaration (a copy)."""
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        return {k: v for k, v in quantization_config.items() if k != PLE_KEY}
     ple = set(ple_group_names(quantization_config))
     groups = {k: v for k, v in (quantization_config.get("config_groups") or {}).items() if k not in ple}
     return {**quantization_config, "config_groups": groups}
 
 
 def merge_ple_group(quantization_config: dict | None) -> dict:
-    """`quantization_config` plus our PLE group: the quantizer's output config. A main-model config is
-    kept as it is (compressed-tensors only: one config holds both)."""
+    """`quantization_config` plus the declaration of our INT8 PLE tables (the quantizer's output): a group
+    of a compressed-tensors config, the `ple_tables` entry beside any other method; the rest as it is."""
     ple = ple_quantization_config()
     if not quantization_config:
         return ple
-    method = quantization_config.get("quant_method")
-    if method != "compressed-tensors":
-        raise ValueError(
-            f"the checkpoint's main weights use quant_method={method!r}; INT8 PLE tables can only be added to an "
-            "unquantized or compressed-tensors checkpoint (one quantization_config holds both)."
-        )
-    if ple_int8_scheme(quantization_config):
+    if declares_int8_tables(quantization_config) or ple_int8_scheme(quantization_config):
         raise ValueError("the checkpoint's quantization_config already quantizes the PLE tables.")
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        return {**quantization_config, PLE_KEY: ple}
     groups = dict(quantization_config.get("config_groups") or {})
     if _GROUP_NAME in groups:
         raise ValueError(f"the checkpoint's quantization_config already has a group named {_GROUP_NAME!r}.")
