@@ -100,7 +100,7 @@ def main() -> None:
     spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
     R, H = spec.rows, spec.num_heads
     t0 = time.time()
-    table = PLETable(R, D, quantized=True, device="cuda", host=True)
+    table = PLETable(R, D, fmt="int8", device="cuda", host=True)
     w_host, s_host = table.weight, table.scale
     chunk = 1 << 24
     pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)

@@ -30,7 +30,7 @@ HIDDEN = 2048
 
 
 def ple_layer(spec_cfg, host: bool) -> PLELayer:
-    layer = PLELayer(spec_cfg, 0, quantized=True, device="cuda", host_table=host)
+    layer = PLELayer(spec_cfg, 0, table_format="int8", device="cuda", host_table=host)
     for a in range(0, layer.table.weight.shape[0], 1 << 24):  # any bytes do for timing
         layer.table.weight[a : a + (1 << 24)].fill_(a % 127)
     layer.table.scale.fill_(0.01)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 TABLE = "ple_embedding.ngram_embedding"  # the table module; shards are `{TABLE}.shard_{j}.weight[_scale]`
 SCALE_SUFFIX = "weight_scale"
-SHARD = re.compile(r"ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight_scale)$")
+SHARD = re.compile(r"ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight_scale|weight_scale_2)$")
 HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")  # under ple_embedding.
 LAYER_PARAMS = ("key_proj.weight", "value_proj.weight", "norm_key.weight", "norm_query.weight",
                 "norm_conv.weight", "conv1d.weight")  # fmt: skip

@@ -187,7 +187,7 @@ BENCH_ITERS = 20
 def _build_gpu(cfg, sds, dev, group, across, replica=None):
     return [
         PLELayer.from_state_dict(
-            cfg, i, sd, quantized=q, dtype=torch.float32, device=dev, host_table=True, etp_group=group, across_dp=across,
+            cfg, i, sd, table_format="int8" if q else "bf16", dtype=torch.float32, device=dev, host_table=True, etp_group=group, across_dp=across,
             replica_group=replica,
         )
         for (i, q), sd in zip(NCCL_LAYERS, sds)
@@ -390,10 +390,10 @@ def _bench(rank, dev, topo: Topology):
         make_ngram_vocab_size_divisible_by=128, split_ngram_parts=16, vocab_size=248_320,
     )
     etp = PLELayer(
-        cfg, 0, quantized=True, device=dev, host_table=True, etp_group=topo.group, across_dp=topo.across_dp,
+        cfg, 0, table_format="int8", device=dev, host_table=True, etp_group=topo.group, across_dp=topo.across_dp,
         replica_group=topo.replica,
     )
-    solo = PLELayer(cfg, 0, quantized=True, device=dev, host_table=True)
+    solo = PLELayer(cfg, 0, table_format="int8", device=dev, host_table=True)
     full = torch.randint(-127, 127, (solo.table.rows, solo.table.dim), dtype=torch.int8, device=dev, generator=torch.Generator(dev).manual_seed(0))
     solo.table.weight.copy_(full)
     etp.table.weight.copy_(full[etp.table.start : etp.table.end])

@@ -31,5 +31,5 @@ def make_pair(cfg, ple_index=1, quantized=False, seed=0, **kw):
             sd[name], sd[name + "_scale"] = q[rows], s[rows]
         else:
             sd[name] = table[rows]
-    ours = PLELayer.from_state_dict(cfg, ple_index, sd, quantized=quantized, dtype=torch.float32, **kw)
+    ours = PLELayer.from_state_dict(cfg, ple_index, sd, table_format="int8" if quantized else "bf16", dtype=torch.float32, **kw)
     return hf, ours

@@ -37,7 +37,7 @@ def test_layer_from_checkpoint_equals_transformers(checkpoints):
 
 def test_int8_checkpoint_equals_bf16_quantized_on_load(checkpoints):
     a = load_ple_layer(checkpoints / "int8", 3)
-    b = load_ple_layer(checkpoints / "bf16", 3, quantized=True)
+    b = load_ple_layer(checkpoints / "bf16", 3, table_format="int8")
     assert a.table.quantized and torch.equal(a.table.weight, b.table.weight) and torch.equal(a.table.scale, b.table.scale)
 
 

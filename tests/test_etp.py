@@ -70,7 +70,7 @@ CASES = {2: ("tp2", "dp2", "dp2_across"), 4: ("tp2xdp2", "tp2xdp2_across")}
 def _build(cfg, sds, group, across, replica=None):
     return [
         PLELayer.from_state_dict(
-            cfg, i, sd, quantized=q, dtype=torch.float32, etp_group=group, across_dp=across, replica_group=replica
+            cfg, i, sd, table_format="int8" if q else "bf16", dtype=torch.float32, etp_group=group, across_dp=across, replica_group=replica
         )
         for (i, q), sd in zip(LAYERS, sds)
     ]
@@ -178,7 +178,7 @@ def _rows_fewer_than_ranks(rank, world, failures):
     full = torch.randn(3, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     ranges = []
     for across in (False, True):
-        etp = ETPLookup(3, 4, group, across, quantized=False)
+        etp = ETPLookup(3, 4, group, across, fmt="bf16")
         ranges.append([etp.table.start, etp.table.end])
         etp.table.load_shard(0, full)
         etp.table.check_loaded()
@@ -305,7 +305,7 @@ def test_etp_builds_the_table_of_its_rank():
         (FakeGroup(0, 1), True, (0, 10)),  # a group of one: the whole table
     ]
     for group, across, want in cases:
-        etp = ETPLookup(rows, dim, group, across_dp=across, quantized=False)
+        etp = ETPLookup(rows, dim, group, across_dp=across, fmt="bf16")
         rank, world = (group.rank_in_group, group.world_size) if group is not None else (0, 1)
         assert (etp.table.start, etp.table.end) == want == owned_rows(rows, rank, world), (rank, world)
         assert (etp.table.rows, etp.table.dim) == (rows, dim)
@@ -313,7 +313,7 @@ def test_etp_builds_the_table_of_its_rank():
         assert etp.across_dp == (across and world > 1)
         assert (etp.group is None) == (world == 1)
     # the PLETable keywords reach the table
-    q = ETPLookup(rows, dim, FakeGroup(1, 2), quantized=True, shard_rows=3)
+    q = ETPLookup(rows, dim, FakeGroup(1, 2), fmt="int8", shard_rows=3)
     assert (q.table.start, q.table.end, q.table.shard_rows, q.table.weight.dtype) == (5, 10, 3, torch.int8)
     # a layer's table is its ETPLookup's, over its rank's rows
     cfg = tiny_text_config()
@@ -337,7 +337,7 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
     ids = torch.randint(0, max(rows, 1), (6, 2)) if rows else torch.full((6, 2), -1)
     parts = []
     for s, e in ranges:
-        t = PLETable(rows, 3, start=s, end=e, quantized=False)
+        t = PLETable(rows, 3, start=s, end=e, fmt="bf16")
         t.load_shard(0, full)
         parts.append(t.lookup(ids))
     assert torch.equal(torch.stack(parts).sum(0), gather_dequant_reference(ids, full, None, 0))
@@ -345,12 +345,12 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
 
 def test_bytes_per_token_hand_computed():
     """The numbers the multi-process test checks against what its collectives move, and the real scale."""
-    small = {(w, a): ETPLookup(64, 8, FakeGroup(0, w), a, quantized=False) for w in (2, 4) for a in (False, True)}
+    small = {(w, a): ETPLookup(64, 8, FakeGroup(0, w), a, fmt="bf16") for w in (2, 4) for a in (False, True)}
     assert small[2, False].bytes_per_token(4) == 64  # all-reduce: 2*(2-1)/2 * 4*8*2 B
     assert small[2, True].bytes_per_token(4) == 96  # 1 * 4 ids * 8 B + 1 * 64 B
     assert small[4, False].bytes_per_token(4) == 96  # 2*3/4 * 64 B
     assert small[4, True].bytes_per_token(4) == 288  # 3*32 + 3*64
-    assert ETPLookup(64, 8, None, quantized=False).bytes_per_token(4) == 0
+    assert ETPLookup(64, 8, None, fmt="bf16").bytes_per_token(4) == 0
     # real model: 16 heads x d=128 (4 KiB bf16 per token); TP4 all-reduce, and TP4 x DP2 across DP
     rows = 1 << 20
     tp4 = ETPLookup(rows, 128, FakeGroup(0, 4), device="meta")

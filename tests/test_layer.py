@@ -119,7 +119,7 @@ def test_load_errors_named():
     hf, _ = make_pair(cfg)
     from qwen4_exp_hcu.ple.layer import PLELayer
 
-    layer = PLELayer(cfg, 1, quantized=True, dtype=torch.float32)
+    layer = PLELayer(cfg, 1, table_format="int8", dtype=torch.float32)
     with pytest.raises(ValueError, match="ple.ple_embedding.layer_multipliers"):
         layer.load_weight("ple_embedding.layer_multipliers", torch.tensor([1, 2, 3]), "model.layers.2.ple.")
     with pytest.raises(ValueError, match="model.layers.2.ple.key_proj.weight"):

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from main_quant import quantize_main_w8a8
+from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, reference_greedy
 from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
@@ -93,3 +94,24 @@ def test_wrong_main_scales_are_caught(checkpoints, oracle):
     errs, _ = errors(outputs, oracle)
     print(f"main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert errs.mean() > LOGPROB_MEAN_TOL or errs.max() > LOGPROB_MAX_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_upstream_fp8_and_nvfp4_tables_served(fmt, tmp_path_factory):
+    """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`) are served as they are
+    (kept packed, dequantized inside the lookup) and match transformers on their dequantized rows."""
+    from main_quant import upstream_table_checkpoints
+
+    root = tmp_path_factory.mktemp(fmt)
+    served = upstream_table_checkpoints(make_tiny_checkpoint(root / "bf16"), root / fmt, root / "oracle", fmt)
+    oracle = reference_greedy(root / "oracle", PROMPTS, MAX_NEW_TOKENS)
+    llm = start_engine(served)
+    try:
+        tables = llm.apply_model(ple_storage_report)[0]["now"]
+        outputs = generate(llm, PROMPTS)
+    finally:
+        stop_engine(llm)
+    assert {t["dtype"] for t in tables} == {"fp8": {"float8_e4m3fn"}, "nvfp4": {"uint8"}}[fmt]
+    errs, tokens_equal = errors(outputs, oracle)
+    print(f"{fmt} PLE tables vs transformers on their dequantized rows: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    assert tokens_equal and errs.mean() < LOGPROB_MEAN_TOL and errs.max() < LOGPROB_MAX_TOL

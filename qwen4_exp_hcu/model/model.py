@@ -247,7 +247,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             # Dense attention equals QSA within the budget; the indexer weights are not needed.
             mapper = mapper | WeightsMapper(orig_to_new_substr={".self_attn.indexer.": None})
         blocks = self.model.ple_blocks
-        per_layer = self.config.split_ngram_parts * (2 if blocks and blocks[0].table.quantized else 1)
+        parts = {"bf16": 1, "int8": 2, "fp8": 2, "nvfp4": 3}  # tensors per checkpoint shard
+        per_layer = self.config.split_ngram_parts * (parts[blocks[0].table.fmt] if blocks else 1)
         with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
             for block in blocks:
                 block.progress = bar

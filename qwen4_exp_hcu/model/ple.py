@@ -87,7 +87,7 @@ class PLEPlacement:
             )
         self.device = torch.device(vllm_config.device_config.device)
         check_uva(self.cpu_offload, self.device, is_uva_available(), current_platform.device_name)
-        self.quantized = checkpoint_has_int8_tables(vllm_config)
+        self.table_format = ple_table_format(vllm_config)
 
     def etp_group(self):
         from vllm.distributed import get_etp_group
@@ -110,6 +110,21 @@ def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, plat
             f"but UVA (pinned memory) is not available on {platform}. Pass --engram-config.cpu_offload=False "
             "to keep the tables in accelerator memory."
         )
+
+
+# upstream vLLM's `ple_embedding_dtype` config field -> our storage format of the checkpoint's tables
+_UPSTREAM_TABLE_DTYPES = {"float8_e4m3fn": "fp8", "nvfp4": "nvfp4"}
+
+
+def ple_table_format(vllm_config: VllmConfig) -> str:
+    """How the checkpoint stores its PLE tables: our INT8 rows (declared in its quantization config),
+    upstream's FP8 / NVFP4 layouts (its `ple_embedding_dtype`), else BF16."""
+    if checkpoint_has_int8_tables(vllm_config):
+        return "int8"
+    dtype = getattr(vllm_config.model_config.hf_text_config, "ple_embedding_dtype", None)
+    if dtype is not None and dtype not in _UPSTREAM_TABLE_DTYPES:
+        raise ValueError(f"ple_embedding_dtype={dtype!r} is not supported; expected one of {sorted(_UPSTREAM_TABLE_DTYPES)}.")
+    return _UPSTREAM_TABLE_DTYPES.get(dtype, "bf16")
 
 
 def checkpoint_has_int8_tables(vllm_config: VllmConfig) -> bool:
@@ -183,7 +198,7 @@ class PLEBlock(nn.Module, MambaBase):
         self.layer = PLELayer(
             vllm_config.model_config.hf_text_config,
             ple_layer_index,
-            quantized=placement.quantized,
+            table_format=placement.table_format,
             device=placement.device,
             host_table=placement.cpu_offload,
             etp_group=placement.etp_group(),

@@ -31,8 +31,8 @@ def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
     if index is None:
         raise ValueError(f"decoder layer {layer_id} has no PLE (ple_layer_ids={cfg.ple_layer_ids}).")
     raw = json.loads((checkpoint / "config.json").read_text())
-    quantized = ple_int8_scheme(raw.get("quantization_config"))
-    layer = PLELayer(cfg, index.ple, quantized=kw.pop("quantized", quantized), **kw)
+    stored = "int8" if ple_int8_scheme(raw.get("quantization_config")) else "bf16"
+    layer = PLELayer(cfg, index.ple, table_format=kw.pop("table_format", stored), **kw)
     prefix = index.prefix
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:

@@ -36,6 +36,14 @@ def state_shapes(text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (text_config.ngram_size - 1,), (window, text_config.hc_count * text_config.hidden_size)
 
 
+# the scales a table shard comes with, by its weight's dtype (BF16/F32 shards have none)
+_SHARD_PARTS = {
+    torch.int8: {"weight_scale"},
+    torch.float8_e4m3fn: {"weight_scale"},
+    torch.uint8: {"weight_scale", "weight_scale_2"},
+}
+
+
 class _Conv1dWeight(nn.Module):
     """Holds `conv1d.weight` [hc*hidden, 1, K] under the checkpoint's name (depthwise, no bias)."""
 
@@ -50,7 +58,7 @@ class PLELayer(nn.Module):
         text_config,
         ple_layer_index: int,
         *,
-        quantized: bool = False,
+        table_format: str = "bf16",
         device: torch.device | str = "cpu",
         host_table: bool = False,
         etp_group: Group | None = None,
@@ -66,7 +74,7 @@ class PLELayer(nn.Module):
         self.state_len = self._state_shapes[1][0]
         embed_dim, width = spec.num_heads * spec.head_dim, self.hidden * self.hc
         self.etp = ETPLookup(
-            spec.rows, spec.head_dim, etp_group, across_dp, replica_group, quantized=quantized, device=device,
+            spec.rows, spec.head_dim, etp_group, across_dp, replica_group, fmt=table_format, device=device,
             host=host_table, shard_rows=-(-spec.rows // text_config.split_ngram_parts),
         )  # fmt: skip
         kw = dict(device=device, dtype=dtype)
@@ -199,18 +207,23 @@ class PLELayer(nn.Module):
             raise ValueError(f"unexpected PLE checkpoint tensor {prefix}{name}.")
 
     def _load_shard(self, j: int, kind: str, tensor: torch.Tensor, full_name: str) -> None:
-        """INT8 shards arrive as weight + weight_scale (either order): load once both are here."""
+        """A shard arrives as its weight plus, by the weight's dtype, its scales (any order): load it once
+        every part is here (int8/fp8: weight_scale; nvfp4 packed bytes: weight_scale + weight_scale_2)."""
         part = self._pending.setdefault(j, {})
         part[kind] = tensor
-        if (kind == "weight_scale" or tensor.dtype != torch.int8) and "weight" in part:
+        if "weight" in part and _SHARD_PARTS.get(part["weight"].dtype, set()) <= part.keys():
             del self._pending[j]
-            self.table.load_shard(j, part["weight"], part.get("weight_scale"), name=full_name.removesuffix("_scale"))
+            self.table.load_shard(
+                j, part["weight"], part.get("weight_scale"), name=full_name.rpartition(".")[0] + ".weight",
+                tensor_scale=part.get("weight_scale_2"),
+            )
 
     def finish_loading(self, prefix: str = "") -> None:
         """After all tensors: every owned shard arrived whole (int8 weights with their scales)."""
         if self._pending:
             j, part = next(iter(self._pending.items()))
-            missing = "weight_scale" if "weight" in part else "weight"
+            need = {"weight"} | (_SHARD_PARTS.get(part["weight"].dtype, set()) if "weight" in part else set())
+            missing = sorted(need - part.keys())[0]
             raise ValueError(f"{prefix}{TABLE}.shard_{j}.{missing} is missing from the checkpoint.")
         self.table.check_loaded(f"{prefix}{TABLE}")
 

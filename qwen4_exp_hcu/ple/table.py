@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import torch
 
-from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
+from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
 
 
@@ -55,10 +55,35 @@ def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None) 
     return vals.flatten(-2)
 
 
-class PLETable:
-    """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16."""
+def _source_format(weight: torch.Tensor, name: str) -> str:
+    """The format a checkpoint shard is written in, from its weight's dtype."""
+    by_dtype = {torch.bfloat16: "bf16", torch.float32: "bf16", torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}
+    if weight.dtype not in by_dtype:
+        raise ValueError(f"{name}: a PLE table shard cannot be {weight.dtype}.")
+    return by_dtype[weight.dtype]
 
-    # kernel settings measured on an H200 (benchmarks/bench_lookup.py; README "Performance")
+
+def _validate_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor | None, rows: int, dim: int, name: str) -> None:
+    if tuple(packed.shape) != (rows, dim // 2):
+        raise ValueError(f"{name}: packed NVFP4 shape {tuple(packed.shape)}, expected {(rows, dim // 2)}.")
+    want = (rows, dim // NVFP4_BLOCK)
+    if block_scale is None or block_scale.dtype != torch.float8_e4m3fn or tuple(block_scale.shape) != want:
+        got = None if block_scale is None else (block_scale.dtype, tuple(block_scale.shape))
+        raise ValueError(f"{name}_scale: expected float8_e4m3fn block scales of shape {want}, got {got}.")
+
+
+_WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
+FORMATS = tuple(_WEIGHT_DTYPES)
+
+
+class PLETable:
+    """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16.
+
+    `fmt` is the storage format (`ple.formats`): `bf16`, `int8` (+ one bf16 scale per row), `fp8` (e4m3 +
+    one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales + one fp32 scale). Rows and
+    per-row scales live with the table (host or accelerator); the one-number scale on the accelerator."""
+
+    # kernel settings measured on an H200 (benchmarks/bench_lookup.py; docs/PERFORMANCE.md)
     DEVICE_TUNING = dict(block_p=16, num_warps=4)
     HOST_TUNING = dict(block_p=8, num_warps=8, sort=True)
 
@@ -69,7 +94,7 @@ class PLETable:
         *,
         start: int = 0,
         end: int | None = None,
-        quantized: bool = True,
+        fmt: str = "int8",
         device: torch.device | str = "cpu",
         host: bool = False,
         shard_rows: int | None = None,
@@ -77,35 +102,41 @@ class PLETable:
         end = rows if end is None else end
         if not 0 <= start <= end <= rows:
             raise ValueError(f"PLE table row range [{start}, {end}) is not inside the table's {rows} rows.")
-        self.rows, self.dim, self.start, self.end = rows, dim, start, end
+        if fmt not in FORMATS:
+            raise ValueError(f"PLE table format {fmt!r} is not one of {FORMATS}.")
+        if fmt == "nvfp4" and dim % NVFP4_BLOCK:
+            raise ValueError(f"NVFP4 PLE rows hold blocks of {NVFP4_BLOCK} values; the head dim {dim} is not a multiple.")
+        self.rows, self.dim, self.start, self.end, self.fmt = rows, dim, start, end, fmt
         self.shard_rows = shard_rows or rows
         self.compute_device = torch.device(device)
         pin = host and torch.cuda.is_available()
         if host and self.compute_device.type != "cpu" and not pin:
             raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
+        where = torch.device("cpu") if host else self.compute_device
+        alloc = _pinned_empty if pin else lambda shape, dtype: torch.empty(shape, dtype=dtype, device=where)
         n = end - start
-        wdtype = torch.int8 if quantized else torch.bfloat16
-        if pin:
-            self.weight = _pinned_empty((n, dim), wdtype)
-            self.scale = _pinned_empty((n, 1), torch.bfloat16) if quantized else None
-        else:
-            where = torch.device("cpu") if host else self.compute_device
-            self.weight = torch.empty(n, dim, dtype=wdtype, device=where)
-            self.scale = torch.empty(n, 1, dtype=torch.bfloat16, device=where) if quantized else None
+        self.weight = alloc((n, dim // 2 if fmt == "nvfp4" else dim), _WEIGHT_DTYPES[fmt])
+        row_scale = {"int8": ((n, 1), torch.bfloat16), "nvfp4": ((n, dim // NVFP4_BLOCK), torch.float8_e4m3fn)}
+        self.scale = alloc(*row_scale[fmt]) if fmt in row_scale else None
+        # fp8 / nvfp4: one fp32 scale for the whole table (every checkpoint shard must carry the same)
+        self.tensor_scale = (
+            torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if fmt in ("fp8", "nvfp4") else None
+        )
         self._loaded: set[int] = set()
         self.cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.scale is not None
+        return self.fmt != "bf16"
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + (self.scale.nbytes if self.quantized else 0)
+        return sum(t.nbytes for t in (self.weight, self.scale, self.tensor_scale) if t is not None)
 
     def describe(self) -> str:
         where = "pinned host" if self.weight.is_pinned() else str(self.weight.device)
-        kind = "int8+bf16 scale" if self.quantized else "bf16"
+        kind = {"bf16": "bf16", "int8": "int8+bf16 scale", "fp8": "fp8 e4m3+table scale",
+                "nvfp4": "nvfp4 e2m1+e4m3 block scales+table scale"}[self.fmt]  # fmt: skip
         return f"rows [{self.start}, {self.end}) x {self.dim} {kind} in {where}: {self.nbytes / 2**20:.2f} MiB"
 
     # ---- loading -------------------------------------------------------------------------------
@@ -118,31 +149,59 @@ class PLETable:
         n_shards = -(-self.rows // self.shard_rows)
         return [j for j in range(n_shards) if max(self._shard_span(j)[0], self.start) < min(self._shard_span(j)[1], self.end)]
 
-    def load_shard(self, j: int, weight: torch.Tensor, scale: torch.Tensor | None = None, name: str = "shard") -> None:
-        """Copy the owned rows of checkpoint shard `j` (BF16, or INT8 with its scale) into storage."""
+    def load_shard(
+        self, j: int, weight: torch.Tensor, scale: torch.Tensor | None = None, name: str = "shard",
+        tensor_scale: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Copy the owned rows of checkpoint shard `j` into storage: BF16 (quantized to INT8 when stored
+        so), INT8 with its row scales (dequantized when stored as BF16), FP8 with its table scale, NVFP4
+        with its block scales (`scale`) and table scale (`tensor_scale`, the checkpoint's weight_scale_2)."""
         lo, hi = self._shard_span(j)
         n = max(hi - lo, 0)
-        if scale is None:
-            if weight.dtype == torch.int8:
+        src = _source_format(weight, name)
+        if src in ("fp8", "nvfp4") and src != self.fmt:
+            raise ValueError(f"{name}: a {src} shard cannot be stored as a {self.fmt} table (convert the checkpoint first).")
+        if src == "bf16" and scale is not None:
+            raise ValueError(f"{name}: a {weight.dtype} weight comes without a weight_scale.")
+        if src in ("bf16", "fp8") and tuple(weight.shape) != (n, self.dim):
+            raise ValueError(f"{name}: shape {tuple(weight.shape)}, expected {(n, self.dim)}.")
+        if src == "int8":
+            if scale is None:
                 raise ValueError(f"{name}: int8 weight without its weight_scale.")
-            if tuple(weight.shape) != (n, self.dim):
-                raise ValueError(f"{name}: shape {tuple(weight.shape)}, expected {(n, self.dim)}.")
-        else:
             validate_int8_weight(weight, n, self.dim, name)
             validate_scale(scale, n, f"{name}_scale")
+        if src == "fp8":
+            tensor_scale = self._check_tensor_scale(scale, f"{name}_scale")
+        if src == "nvfp4":
+            _validate_nvfp4(weight, scale, n, self.dim, name)
+            tensor_scale = self._check_tensor_scale(tensor_scale, f"{name}_scale_2")
         a, b = max(lo, self.start), min(hi, self.end)
         if a < b:
             w = weight[a - lo : b - lo]
-            s = None if scale is None else scale[a - lo : b - lo]
+            s = None if scale is None or src == "fp8" else scale[a - lo : b - lo]
             dst = slice(a - self.start, b - self.start)
-            if self.quantized and s is None:
+            if self.fmt == "int8" and src == "bf16":
                 w, s = quantize_rows(w)
-            elif not self.quantized and s is not None:
+            elif self.fmt == "bf16" and src == "int8":
                 w, s = dequantize_rows(w, s), None
             self.weight[dst].copy_(w)
             if s is not None:
                 self.scale[dst].copy_(s)
+        if tensor_scale is not None:
+            self.tensor_scale.copy_(tensor_scale)
         self._loaded.add(j)
+
+    def _check_tensor_scale(self, value: torch.Tensor | None, name: str) -> torch.Tensor:
+        """A table-wide fp32 scale: one finite positive number, the same in every shard."""
+        if value is None or value.numel() != 1 or value.dtype != torch.float32:
+            raise ValueError(f"{name}: expected one float32 scale for the table, got {None if value is None else (value.dtype, tuple(value.shape))}.")
+        value = value.reshape(1).to(self.tensor_scale.device)
+        if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+            raise ValueError(f"{name}: the table scale must be finite and positive, got {value.item()}.")
+        known = self.tensor_scale
+        if bool(torch.isfinite(known).all()) and not torch.equal(known, value):
+            raise ValueError(f"{name}: {value.item()} differs from the table scale {known.item()} of earlier shards.")
+        return value
 
     def check_loaded(self, name: str = "PLE table") -> None:
         missing = sorted(set(self.expected_shards()) - self._loaded)
@@ -156,6 +215,8 @@ class PLETable:
         serve. Only for host tables: the lookup kernel checks the cache and skips host memory on a hit."""
         if self.weight.device == self.compute_device:
             raise ValueError("a hot-row cache only helps a host-resident PLE table.")
+        if self.fmt not in ("bf16", "int8"):
+            raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.fmt}.")
         n = self.end - self.start
         local = calibration_ids.flatten().long().cpu() - self.start
         counts = torch.bincount(local[(local >= 0) & (local < n)], minlength=n)
@@ -178,9 +239,15 @@ class PLETable:
                 f"lookup out must be a contiguous bf16 {shape} tensor on {ids.device}, got "
                 f"{out.dtype} {tuple(out.shape)} on {out.device}."
             )
+        # fp8 passes its table scale where the kernel takes a scale; nvfp4 its block scales + table scale
+        scale, global_scale = (self.tensor_scale, None) if self.fmt == "fp8" else (self.scale, None)
+        if self.fmt == "nvfp4":
+            global_scale = self.tensor_scale
         if ids.device.type == "cpu":
-            return out.copy_(gather_dequant_reference(ids, self.weight, self.scale, self.start))
+            return out.copy_(gather_dequant_reference(ids, self.weight, scale, self.start, global_scale))
         from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
 
         tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
-        return gather_dequant(ids.contiguous(), self.weight, self.scale, self.start, out, cache=self.cache, **tuning)
+        return gather_dequant(
+            ids.contiguous(), self.weight, scale, self.start, out, global_scale=global_scale, cache=self.cache, **tuning
+        )
