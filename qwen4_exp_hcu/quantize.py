@@ -1,4 +1,4 @@
-"""Quantize the PLE tables of a BF16 Qwen4Exp checkpoint to the INT8 row format.
+"""Quantize the PLE tables of a Qwen4Exp checkpoint (BF16, or upstream's FP8 / NVFP4 layouts) to INT8 rows.
 
     python -m qwen4_exp_hcu.quantize SRC DST
 
@@ -24,6 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
+from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
 from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
 
@@ -37,7 +38,7 @@ _DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
-_SOURCE_TABLE_DTYPES = ("BF16", "F32")
+_SOURCE_TABLE_DTYPES = ("BF16", "F32", "F8_E4M3", "U8")  # BF16/F32 rows, upstream's FP8 and NVFP4 layouts
 
 
 def is_ple_table(tensor_name: str) -> bool:
@@ -65,28 +66,50 @@ class _Entry:
         self.nbytes = _DTYPE_BYTES[dtype] * int(torch.Size(shape).numel())
 
 
+def _source_rows(f, name: str) -> torch.Tensor:
+    """A PLE table shard as float rows: BF16/F32 as stored; upstream's FP8 (e4m3 + table `weight_scale`)
+    and NVFP4 (packed e2m1 + e4m3 block `weight_scale` + table `weight_scale_2`) dequantized to BF16."""
+    weight = f.get_tensor(name)
+    if weight.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8_rows(weight, f.get_tensor(_scale_name(name)))
+    if weight.dtype == torch.uint8:
+        return dequantize_nvfp4_rows(weight, f.get_tensor(_scale_name(name)), f.get_tensor(_scale_name(name) + "_2"))
+    return weight
+
+
 def _plan_file(f, progress: tqdm) -> list[_Entry]:
-    """Output tensors of one safetensors file; a PLE table expands to weight + weight_scale."""
-    entries = []
+    """Output tensors of one safetensors file; a PLE table expands to INT8 weight + bf16 row scale, and
+    the scales of an FP8/NVFP4 source table are replaced by that."""
+    entries, keys = [], set(f.keys())
+    source_scales = {
+        s for n in keys if is_ple_table(n) for s in (_scale_name(n), _scale_name(n) + "_2")
+        if f.get_slice(n).get_dtype() in ("F8_E4M3", "U8")
+    }  # fmt: skip
     for name in f.keys():
         sl = f.get_slice(name)
         dtype, shape = sl.get_dtype(), list(sl.get_shape())
+        if name in source_scales:
+            continue
         if not is_ple_table(name):
             entries.append(_Entry(name, dtype, shape, lambda name=name: f.get_tensor(name)))
             continue
         if dtype not in _SOURCE_TABLE_DTYPES or len(shape) != 2:
-            raise ValueError(f"{name}: expected a 2-D BF16/F32 PLE table, got {dtype} {shape} (already quantized?)")
+            raise ValueError(f"{name}: expected a 2-D BF16/F32/FP8/NVFP4 PLE table, got {dtype} {shape} (already quantized?)")
+        needed = {"F8_E4M3": [_scale_name(name)], "U8": [_scale_name(name), _scale_name(name) + "_2"]}.get(dtype, [])
+        if missing := [n for n in needed if n not in keys]:
+            raise ValueError(f"{missing[0]}: missing beside its {dtype} PLE table (expected in the same file)")
+        width = shape[1] * (2 if dtype == "U8" else 1)
         stash: dict[str, torch.Tensor] = {}  # the scale waits here for the entry written right after its weight
 
         def weight(name=name, stash=stash):
             try:
-                q, stash["scale"] = quantize_rows(f.get_tensor(name))
+                q, stash["scale"] = quantize_rows(_source_rows(f, name))
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from e
             progress.update()
             return q
 
-        entries.append(_Entry(name, "I8", shape, weight))
+        entries.append(_Entry(name, "I8", [shape[0], width], weight))
         entries.append(_Entry(_scale_name(name), "BF16", [shape[0], 1], lambda stash=stash: stash.pop("scale")))
     return entries
 
@@ -132,6 +155,7 @@ def _load_config(src: Path) -> dict:
     text = config.get("text_config") or {}
     if "compression_config" in config or "quantization_config" in text:
         raise ValueError(f"{src / CONFIG}: put the main model's quantization config at the top level as quantization_config")
+    config.pop("ple_embedding_dtype", None)  # upstream's FP8/NVFP4 table marker: the tables become INT8
     try:
         config["quantization_config"] = merge_ple_group(config.get("quantization_config"))
     except ValueError as e:
@@ -158,8 +182,10 @@ def _convert_weights(src: Path, files: list[str], out: Path) -> tuple[dict[str, 
         handles = [stack.enter_context(safe_open(src / n, framework="pt")) for n in files]
         names = [k for h in handles for k in h.keys()]
         scales = [n for n in names if n.endswith(f".{SCALE_SUFFIX}") and is_ple_table(n.removesuffix("_scale"))]
-        if scales:
-            raise ValueError(f"{scales[0]}: SRC already holds quantized PLE tables")
+        dtypes = {k: h.get_slice(k).get_dtype() for h in handles for k in h.keys()}
+        stray = [n for n in scales if dtypes.get(n.removesuffix("_scale")) not in ("F8_E4M3", "U8")]
+        if stray:  # only upstream's FP8/NVFP4 tables come with scales to convert
+            raise ValueError(f"{stray[0]}: SRC already holds quantized PLE tables")
         n_tables = sum(map(is_ple_table, names))
         if n_tables == 0:
             raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")

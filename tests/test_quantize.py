@@ -12,7 +12,7 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils.match import match_quantizable_tensors
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_quantization_config
@@ -260,3 +260,19 @@ def test_refuses_a_checkpoint_whose_tables_are_already_declared(tmp_path, capsys
     with pytest.raises(SystemExit):
         main([str(src), str(tmp_path / "dst")])
     assert "already quantizes the PLE tables" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_upstream_fp8_and_nvfp4_tables_become_int8(tmp_path, fmt):
+    """Upstream-layout FP8/NVFP4 tables are dequantized and re-quantized to INT8 rows: the same as
+    quantizing their dequantized BF16 rows; their scales and `ple_embedding_dtype` are gone."""
+    from main_quant import upstream_table_checkpoints
+
+    from qwen4_exp_hcu.tiny import make_tiny_checkpoint
+
+    src = upstream_table_checkpoints(make_tiny_checkpoint(tmp_path / "bf16"), tmp_path / fmt, tmp_path / "deq", fmt)
+    main([str(src), str(tmp_path / "int8")])
+    main([str(tmp_path / "deq"), str(tmp_path / "int8-from-deq")])
+    got, want = (load_file(tmp_path / d / "model.safetensors") for d in ("int8", "int8-from-deq"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert "ple_embedding_dtype" not in json.loads((tmp_path / "int8" / "config.json").read_text())
