@@ -162,7 +162,9 @@ class PLETable:
         if src in ("fp8", "nvfp4") and src != self.fmt:
             raise ValueError(f"{name}: a {src} shard cannot be stored as a {self.fmt} table (convert the checkpoint first).")
         if src == "bf16" and scale is not None:
-            raise ValueError(f"{name}: a {weight.dtype} weight comes without a weight_scale.")
+            raise ValueError(f"{name}: a {weight.dtype} weight takes no weight_scale.")
+        if src != "nvfp4" and tensor_scale is not None:
+            raise ValueError(f"{name}: a {weight.dtype} weight takes no weight_scale_2.")
         if src in ("bf16", "fp8") and tuple(weight.shape) != (n, self.dim):
             raise ValueError(f"{name}: shape {tuple(weight.shape)}, expected {(n, self.dim)}.")
         if src == "int8":
