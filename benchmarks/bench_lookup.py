@@ -26,7 +26,8 @@ from triton.testing import do_bench
 
 from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
-from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.table import PLETable
 
 REAL_VOCAB = 248_320
@@ -92,6 +93,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--calib-tokens", type=int, default=131072)
     ap.add_argument("--cache-rows", type=int, default=1 << 23, help="GPU hot-row cache size (8M rows ~ 1 GB)")
+    ap.add_argument("--formats-table-gb", type=float, default=4.0,
+                    help="INT8 size of the table each row format is measured on (0: skip the format rows)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -220,7 +223,13 @@ def main() -> None:
         fused = results[source]["variants"]["fused, sorted ids (ours, default)"]["ms"]
         results[source]["hash_over_lookup"] = hash_ms / fused
 
+    formats = {}
+    if args.formats_table_gb > 0:
+        del packed, w_gpu, s_gpu, table, w_host, s_host, cache  # make room for the format tables
+        formats = bench_formats(args, token_streams(T, torch.Generator().manual_seed(0)), "cuda", do_bench)
+
     report = {
+        "formats": formats,
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": __import__("os").cpu_count()},
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful},
@@ -237,6 +246,65 @@ def main() -> None:
     (out_dir / "bench_lookup.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "bench_lookup.png")
     print(json.dumps({s: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for s, r in results.items()}, indent=1))
+
+
+def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generator) -> PLETable:
+    """A host-resident table of random finite values in `fmt`, filled in chunks (no full-size temporary)."""
+    t = PLETable(rows, dim, fmt=fmt, device=device, host=True)
+    chunk = 1 << 22
+    for a in range(0, rows, chunk):
+        n = min(chunk, rows - a)
+        if fmt in ("bf16", "int8"):
+            w = torch.randn(n, dim, generator=gen).to(torch.bfloat16)
+            if fmt == "int8":
+                w, s = quantize_rows(w)
+                t.scale[a : a + n].copy_(s)
+            t.weight[a : a + n].copy_(w)
+        else:
+            b = torch.randint(0, 0x7E, t.weight[a : a + n].shape, generator=gen, dtype=torch.uint8)  # no NaN bytes
+            t.weight[a : a + n].copy_(b.view(t.weight.dtype))
+            if fmt == "nvfp4":
+                t.scale[a : a + n].copy_(torch.randint(0x30, 0x48, t.scale[a : a + n].shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    if t.tensor_scale is not None:
+        t.tensor_scale.fill_(0.01)
+    return t
+
+
+def bench_formats(args, streams: dict[str, torch.Tensor], device: str, timer) -> dict:
+    """Every row format on a table of the same rows (INT8 size `--formats-table-gb`), host-resident:
+    GB/s of useful bf16 output (T x H x D x 2 bytes per lookup), host bytes per row, and the lookup
+    checked against the format's torch reference on a slice of the ids."""
+    D, T = args.dim, args.tokens
+    spec = NgramHashSpec.from_config(bench_config(int(args.formats_table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
+    R, H = spec.rows, spec.num_heads
+    qsl = torch.arange(0, T + 1, 1024, device=device, dtype=torch.int32)
+    ctx = torch.full((qsl.numel() - 1, 2), spec.eos_token_id, device=device, dtype=torch.int64)
+    ids = {src: ngram_ids(spec, tok.to(device), qsl, ctx) for src, tok in streams.items()}
+    out = torch.empty(T, H * D, dtype=torch.bfloat16, device=device)
+    results = {"rows": R, "dim": D, "tokens": T, "heads": H, "formats": {}}
+    gen = torch.Generator().manual_seed(2)
+    for fmt in ("bf16", "int8", "fp8", "nvfp4"):
+        table = random_table(fmt, R, D, device, gen)
+        row = results["formats"][fmt] = {"host_bytes_per_row": table.nbytes / R, "GB/s": {}}
+        for src, i in ids.items():
+            head = i[:64].cpu()
+            table.lookup(i, out=out)
+            ref = PLETable.lookup(_on_cpu(table), head)
+            row.setdefault("exact", []).append(bool(torch.equal(out[:64].cpu(), ref)))
+            row["GB/s"][src] = T * H * D * 2 / timer(lambda: table.lookup(i, out=out)) / 1e6
+        print(f"{fmt:6s} {row['host_bytes_per_row']:6.1f} B/row  "
+              + "  ".join(f"{s} {g:6.2f} GB/s" for s, g in row["GB/s"].items()) + f"  exact={all(row['exact'])}", flush=True)
+        del table
+    return results
+
+
+def _on_cpu(table: PLETable) -> PLETable:
+    """The same table looked up by the torch reference (host tensors are read in place)."""
+    view = PLETable.__new__(PLETable)
+    view.__dict__.update(table.__dict__)
+    view.tensor_scale = None if table.tensor_scale is None else table.tensor_scale.cpu()
+    view.cache = None
+    return view
 
 
 def plot(report: dict, path: Path) -> None:
