@@ -294,7 +294,6 @@ def bench_formats(args, streams: dict[str, torch.Tensor], device: str, timer) ->
             row["GB/s"][src] = T * H * D * 2 / timer(lambda: table.lookup(i, out=out)) / 1e6
         print(f"{fmt:6s} {row['host_bytes_per_row']:6.1f} B/row  "
               + "  ".join(f"{s} {g:6.2f} GB/s" for s, g in row["GB/s"].items()) + f"  exact={all(row['exact'])}", flush=True)
-        del table
     return results
 
 
