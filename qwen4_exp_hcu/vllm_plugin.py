@@ -9,8 +9,8 @@ architecture-keyed settings (`--engram-config.*`, Qwen4Exp config checks) apply 
 explicit alias `Qwen4ExpHcuForCausalLM` (usable with `--hf-overrides '{"architectures": [...]}'`).
 `QWEN4_EXP_HCU_DISABLE=1` keeps vLLM's own class; the alias is still ours (`qwen4_exp_hcu.env`).
 
-It also registers a quantization method that claims checkpoints whose only quantized tensors are the
-INT8 PLE tables (see `qwen4_exp_hcu.model.quant`).
+It also registers a quantization method that claims checkpoints declaring INT8 PLE tables, whatever
+quantizes their main model (see `qwen4_exp_hcu.model.quant`).
 """
 
 from qwen4_exp_hcu.env import MODEL_CLASS, our_architectures
@@ -21,5 +21,5 @@ def register() -> None:
 
     for architecture in sorted(our_architectures()):
         ModelRegistry.register_model(architecture, MODEL_CLASS)
-    # INT8-PLE checkpoints carry a quantization config vLLM's compressed-tensors parser rejects.
+    # INT8-PLE checkpoints declare their tables in a way vLLM's own quantization parsers reject or ignore.
     import qwen4_exp_hcu.model.quant  # noqa: F401  (registers the quantization method)
