@@ -227,3 +227,18 @@ def test_plugin_registration_and_disable_switch(vllm_process):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     vllm_own, alias = out.stdout.split()[-2:]
     assert vllm_own.startswith("vllm.") and alias == ours
+
+
+def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int8_path, monkeypatch):
+    """The DP group's first rank sizes this rank's tables against /dev/shm and decides for every rank."""
+    import shutil
+    from collections import namedtuple
+
+    from qwen4_exp_hcu.model.ple import dp_shared_host
+
+    config = engine_config(int8_path)
+    shared = dp_shared_host(config, "int8")
+    assert shared is not None and shared.writer and shared.run.startswith("qwen4hcu-")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 20, 1 << 20, 1000))  # 1000 B free
+    assert dp_shared_host(config, "int8") is None

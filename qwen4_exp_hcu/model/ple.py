@@ -19,6 +19,8 @@ the same place: both eager, or both inside one captured graph):
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -78,16 +80,12 @@ class PLEPlacement:
         self.cpu_offload = True if engram is None else bool(engram.cpu_offload)
         dp = vllm_config.parallel_config.data_parallel_size
         self.across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
-        if engram is not None and engram.dp_shared_memory and not self.across_dp:
-            logger.warning(
-                "--engram-config.dp_shared_memory is not implemented by qwen4_exp_hcu: each of the %d DP "
-                "replicas keeps its own TP-sharded PLE tables. Use --engram-config.embedding_across_dp=true "
-                "to shard the rows over TP x DP instead.",
-                dp,
-            )
         self.device = torch.device(vllm_config.device_config.device)
         check_uva(self.cpu_offload, self.device, is_uva_available(), current_platform.device_name)
         self.table_format = ple_table_format(vllm_config)
+        # DP replicas hold the same TP-sharded tables: with dp_shared_memory, one host copy per node
+        share = engram is not None and engram.dp_shared_memory and dp > 1 and self.cpu_offload and not self.across_dp
+        self.shared_host = dp_shared_host(vllm_config, self.table_format) if share else None
 
     def etp_group(self):
         from vllm.distributed import get_etp_group
@@ -110,6 +108,41 @@ def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, plat
             f"but UVA (pinned memory) is not available on {platform}. Pass --engram-config.cpu_offload=False "
             "to keep the tables in accelerator memory."
         )
+
+
+def dp_shared_host(vllm_config: VllmConfig, table_format: str):
+    """The DP group's shared host memory, or None (with a warning) when /dev/shm cannot hold this rank's
+    tables; the group's first rank decides for all and names the run."""
+    import secrets
+    import shutil
+
+    from vllm.distributed import get_dp_group, get_tp_group
+
+    from qwen4_exp_hcu.ple.etp import owned_rows
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
+    from qwen4_exp_hcu.ple.table import PLETable
+
+    config, tp = vllm_config.model_config.hf_text_config, get_tp_group()
+    specs = [NgramHashSpec.from_config(config, index.ple) for index in ple_layers(config)]
+    need = sum(
+        PLETable(s.rows, s.head_dim, fmt=table_format, device="meta",
+                 start=owned_rows(s.rows, tp.rank_in_group, tp.world_size)[0],
+                 end=owned_rows(s.rows, tp.rank_in_group, tp.world_size)[1]).nbytes
+        for s in specs
+    )  # fmt: skip
+    group = get_dp_group()
+    if group.rank_in_group == 0:
+        free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
+        decision = (f"qwen4hcu-{os.getpid()}-{secrets.token_hex(4)}", free, free >= need)
+    run, free, fits = group.broadcast_object(decision if group.rank_in_group == 0 else None, src=0)
+    if not fits:
+        logger.warning(
+            "--engram-config.dp_shared_memory: %s has %.2f GiB free, the PLE tables of a rank take %.2f GiB; "
+            "each DP replica keeps its own copy.", SHM_DIR, free / 2**30, need / 2**30,
+        )  # fmt: skip
+        return None
+    return SharedHost(group, run)
 
 
 # upstream vLLM's `ple_embedding_dtype` config field -> our storage format of the checkpoint's tables
@@ -204,6 +237,7 @@ class PLEBlock(nn.Module, MambaBase):
             etp_group=placement.etp_group(),
             across_dp=placement.across_dp,
             replica_group=placement.replica_group(),
+            shared_host=placement.shared_host,
             dtype=self.model_dtype,
         )
         self.kv_cache = (torch.tensor([]), torch.tensor([]))

@@ -48,6 +48,9 @@ class TorchGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def all_gather(self, x, dim=-1):
         assert dim == 0, "TorchGroup gathers along dim 0"
         out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])

@@ -18,6 +18,7 @@ from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, next_ngram_context, ngram_ids
+from qwen4_exp_hcu.ple.host_memory import SharedHost
 
 
 def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -64,6 +65,7 @@ class PLELayer(nn.Module):
         etp_group: Group | None = None,
         across_dp: bool = False,
         replica_group: Group | None = None,
+        shared_host: SharedHost | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
@@ -76,6 +78,7 @@ class PLELayer(nn.Module):
         self.etp = ETPLookup(
             spec.rows, spec.head_dim, etp_group, across_dp, replica_group, fmt=table_format, device=device,
             host=host_table, shard_rows=-(-spec.rows // text_config.split_ngram_parts),
+            shared=None if shared_host is None else shared_host.scoped(f"ple{ple_layer_index}"),
         )  # fmt: skip
         kw = dict(device=device, dtype=dtype)
         self.key_proj = nn.Linear(embed_dim, width, bias=False, **kw)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
+from qwen4_exp_hcu.ple.host_memory import SharedHost
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
 
 
@@ -23,13 +24,17 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
     so the table registers an ordinary allocation instead, and unregisters it before it is freed."""
     nbytes = math.prod(shape) * dtype.itemsize
     buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-    ptr = buf.ctypes.data
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, buf.nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"registering {buf.nbytes} bytes of PLE table as pinned host memory failed ({err}).")
-    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)  # runs before numpy frees the buffer
+    pin(buf.ctypes.data, buf.nbytes, buf)
     return torch.from_numpy(buf)[:nbytes].view(dtype).view(shape)
+
+
+def pin(ptr: int, nbytes: int, owner) -> None:
+    """Register host memory for the accelerator (UVA) until `owner` is freed."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"registering {nbytes} bytes of PLE table as pinned host memory failed ({err}).")
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)  # runs before the memory is released
 
 
 def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None) -> torch.Tensor:
@@ -98,6 +103,7 @@ class PLETable:
         device: torch.device | str = "cpu",
         host: bool = False,
         shard_rows: int | None = None,
+        shared: SharedHost | None = None,
     ):
         end = rows if end is None else end
         if not 0 <= start <= end <= rows:
@@ -112,12 +118,20 @@ class PLETable:
         pin = host and torch.cuda.is_available()
         if host and self.compute_device.type != "cpu" and not pin:
             raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
+        if shared is not None and not host:
+            raise ValueError("dp_shared_memory shares host-resident PLE tables; this table is on the accelerator.")
+        self.shared = shared  # the DP replicas on this node map one copy; its first rank fills it
         where = torch.device("cpu") if host else self.compute_device
-        alloc = _pinned_empty if pin else lambda shape, dtype: torch.empty(shape, dtype=dtype, device=where)
+        if shared is not None:
+            alloc = lambda shape, dtype, name: shared.empty(name, shape, dtype)  # noqa: E731
+        elif pin:
+            alloc = lambda shape, dtype, name: _pinned_empty(shape, dtype)  # noqa: E731
+        else:
+            alloc = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=where)  # noqa: E731
         n = end - start
-        self.weight = alloc((n, dim // 2 if fmt == "nvfp4" else dim), _WEIGHT_DTYPES[fmt])
+        self.weight = alloc((n, dim // 2 if fmt == "nvfp4" else dim), _WEIGHT_DTYPES[fmt], "weight")
         row_scale = {"int8": ((n, 1), torch.bfloat16), "nvfp4": ((n, dim // NVFP4_BLOCK), torch.float8_e4m3fn)}
-        self.scale = alloc(*row_scale[fmt]) if fmt in row_scale else None
+        self.scale = alloc(*row_scale[fmt], "scale") if fmt in row_scale else None
         # fp8 / nvfp4: one fp32 scale for the whole table (every checkpoint shard must carry the same)
         self.tensor_scale = (
             torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if fmt in ("fp8", "nvfp4") else None
@@ -178,7 +192,7 @@ class PLETable:
             _validate_nvfp4(weight, scale, n, self.dim, name)
             tensor_scale = self._check_tensor_scale(tensor_scale, f"{name}_scale_2")
         a, b = max(lo, self.start), min(hi, self.end)
-        if a < b:
+        if a < b and (self.shared is None or self.shared.writer):  # a shared table is filled once
             w = weight[a - lo : b - lo]
             s = None if scale is None or src == "fp8" else scale[a - lo : b - lo]
             dst = slice(a - self.start, b - self.start)
@@ -209,6 +223,8 @@ class PLETable:
         missing = sorted(set(self.expected_shards()) - self._loaded)
         if missing:
             raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
+        if self.shared is not None:
+            self.shared.loaded()
 
     # ---- hot-row cache ---------------------------------------------------------------------------
     def cache_hot_rows(self, calibration_ids: torch.Tensor, max_rows: int) -> float:
