@@ -125,12 +125,11 @@ def dp_shared_host(vllm_config: VllmConfig, table_format: str):
 
     config, tp = vllm_config.model_config.hf_text_config, get_tp_group()
     specs = [NgramHashSpec.from_config(config, index.ple) for index in ple_layers(config)]
+    owned = [owned_rows(s.rows, tp.rank_in_group, tp.world_size) for s in specs]
     need = sum(
-        PLETable(s.rows, s.head_dim, fmt=table_format, device="meta",
-                 start=owned_rows(s.rows, tp.rank_in_group, tp.world_size)[0],
-                 end=owned_rows(s.rows, tp.rank_in_group, tp.world_size)[1]).nbytes
-        for s in specs
-    )  # fmt: skip
+        PLETable(s.rows, s.head_dim, start=a, end=b, fmt=table_format, device="meta").nbytes
+        for s, (a, b) in zip(specs, owned)
+    )
     group = get_dp_group()
     if group.rank_in_group == 0:
         free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
