@@ -1,7 +1,8 @@
 """One PLE layer's embedding table, or the contiguous row range of it that this ETP rank owns.
 
-Stored INT8 + one bf16 scale per row (or BF16), on the accelerator or in host memory (pinned when
-an accelerator exists, so the lookup kernel reads it over UVA). Checkpoint shards stream straight
+Stored as BF16, INT8 + one bf16 scale per row, or upstream's FP8 / NVFP4 layouts (`ple.formats`), on the
+accelerator or in host memory (pinned when an accelerator exists, so the lookup kernel reads it over UVA;
+optionally one copy per node shared by the DP replicas, `ple.host_memory`). Checkpoint shards stream straight
 into the final storage: no full-table temporary and no trip through the accelerator.
 """
 
