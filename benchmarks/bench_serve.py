@@ -10,9 +10,11 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   vllm_gpu_bf16      vLLM's own class, BF16 tables in GPU memory
 Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
 run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes.
-A variant whose engine does not start is reported with its error.
+A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
+batch, where a decode step's time goes: wall time per step against the GPU's busy time per step (CUDA
+kernel time from torch.profiler) and the kernels that take most of it.
 
-    python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--out benchmarks/results]
+    python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -79,7 +81,37 @@ def tensor_bytes(model) -> dict:
             "cuda_allocated": torch.cuda.memory_allocated()}  # fmt: skip
 
 
-def worker(variant: str, checkpoint: str, out: str) -> None:
+def profile_decode(llm, prompts, top: int = 8) -> dict:
+    """Wall vs GPU-busy time per decode step over DECODE_TOKENS steps (prefill run subtracted), top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    def run(max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        kernels = {}
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total
+        return wall, kernels
+
+    wall1, k1 = run(1)
+    wall, k = run(1 + DECODE_TOKENS)
+    decode = {name: (t - k1.get(name, 0.0)) / DECODE_TOKENS for name, t in k.items()}  # us per step
+    return {
+        "wall_us_per_step": (wall - wall1) * 1e6 / DECODE_TOKENS,
+        "gpu_busy_us_per_step": sum(decode.values()),
+        "top_kernels_us_per_step": dict(sorted(decode.items(), key=lambda kv: -kv[1])[:top]),
+    }
+
+
+def worker(variant: str, checkpoint: str, out: str, profile: bool) -> None:
     env, engine, _ = VARIANTS[variant]
     os.environ.update(env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     import torch
@@ -102,13 +134,15 @@ def worker(variant: str, checkpoint: str, out: str) -> None:
         return sorted(times)[len(times) // 2]
 
     rand = lambda n: torch.randint(3, MODEL["vocab_size"], (n,), generator=gen).tolist()  # noqa: E731
-    decode = {}
+    decode, profiles = {}, {}
     for b in DECODE_BATCHES:
         prompts = [rand(DECODE_PROMPT) for _ in range(b)]
         timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
         prefill_only = timed(prompts, 1)
         full = timed(prompts, 1 + DECODE_TOKENS)
         decode[b] = b * DECODE_TOKENS / (full - prefill_only)
+        if profile:
+            profiles[b] = profile_decode(llm, prompts)
     prefill = {}
     for n in PREFILL_LENGTHS:
         timed([rand(n)], 1, repeats=1)  # warm-up
@@ -118,6 +152,7 @@ def worker(variant: str, checkpoint: str, out: str) -> None:
         "bytes": llm.apply_model(tensor_bytes)[0],
         "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
         "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+        **({"decode_profile": profiles} if profile else {}),
     }  # fmt: skip
     Path(out).write_text(json.dumps(result))
     os._exit(0)  # skip vLLM's interpreter teardown
@@ -196,12 +231,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     parser.add_argument("--plot-only", action="store_true", help="draw the PNG from an existing JSON")
+    parser.add_argument("--profile", action="store_true", help="also profile one decode run per batch")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.checkpoint, args.result)
+        return worker(args.worker, args.checkpoint, args.result, args.profile)
     if args.plot_only:
         return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
 
@@ -215,6 +251,7 @@ def main() -> None:
         checkpoint = int8 if VARIANTS[name][2] == "int8" else bf16
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
+        cmd += ["--profile"] if args.profile else []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr

