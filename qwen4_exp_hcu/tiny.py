@@ -1,7 +1,8 @@
 """Tiny random Qwen4Exp checkpoints for tests and the demo.
 
-`python -m qwen4_exp_hcu.tiny DST [--int8] [--config CONFIG.json] [--weight-seed 0]` writes a text-only
-`Qwen4ExpForCausalLM` with transformers' own `save_pretrained` (so the layout is exactly what transformers
+`python -m qwen4_exp_hcu.tiny DST [--int8] [--vision] [--config CONFIG.json] [--weight-seed 0]` writes a
+text-only `Qwen4ExpForCausalLM` (with `--vision`: a `Qwen4ExpForConditionalGeneration`, as the official
+checkpoints are) with transformers' own `save_pretrained` (so the layout is exactly what transformers
 writes: sharded PLE tables, per-expert MoE weights) plus an offline word-level tokenizer. Weights are drawn
 with a fixed seed at a scale where greedy decoding is not degenerate (distinct prompts → distinct tokens);
 the PLE conv is made non-zero (transformers initialises it to zero) so its state is exercised.
@@ -20,6 +21,15 @@ from pathlib import Path
 import torch
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("tiny_config.json")  # package data
+# Multimodal checkpoints: a two-block vision tower (16-px patches, 2x2 merge: a 64x64 image is 4 tokens) and
+# the vision special tokens at the top of the tiny vocab.
+TINY_VISION = dict(
+    depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, num_position_embeddings=64, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+)  # fmt: skip
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}  # fmt: skip
+IMAGE_PIXELS = (32 * 32, 128 * 128)  # the image processor's min/max pixels: at most 16 tokens per image
 # Share of each lm_head row that points at the embedding of the token it predicts next (see below).
 SUCCESSOR_WEIGHT = 0.6
 
@@ -34,12 +44,14 @@ def load_config(config_path: str | Path = DEFAULT_CONFIG, **overrides):
     return Qwen4ExpTextConfig(**values)
 
 
-def build_tokenizer(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int):
-    """A word-level tokenizer: specials, then `t{i}` for every other id; made in code, no downloads."""
+def build_tokenizer(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int, extra: dict | None = None):
+    """A word-level tokenizer: specials, then `t{i}` for every other id; made in code, no downloads.
+    `extra` ({id: token}) adds special tokens matched anywhere in a text (the vision placeholders)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {pad_token_id: "<pad>", eos_token_id: "<eos>", bos_token_id: "<bos>"}
+    extra = extra or {}
+    specials = {pad_token_id: "<pad>", eos_token_id: "<eos>", bos_token_id: "<bos>", **extra}
     vocab = {specials.get(i, f"t{i}"): i for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -50,6 +62,7 @@ def build_tokenizer(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_t
         bos_token="<bos>",
         pad_token="<pad>",
         unk_token="<pad>",
+        additional_special_tokens=list(extra.values()),
     )
 
 
@@ -67,6 +80,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         if "norm" in name:
             noise = torch.randn(param.shape, generator=gen) * 0.1
             param.copy_(param.float() + noise)
+        elif param.ndim == 5:  # the vision patch embedding, a Conv3d
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param[0].numel()))
         elif "embed" in name:
             param.copy_(torch.randn(param.shape, generator=gen))
         elif name.endswith("conv1d.weight"):
@@ -88,7 +103,7 @@ def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator) -> N
     512-cycle, which makes that successor the argmax by a wide margin. Continuations stay distinct per
     prompt and never repeat a token within 512 steps; logprobs still depend on the whole network.
     """
-    embed = model.model.embed_tokens.weight.float()
+    embed = model.get_input_embeddings().weight.float()
     vocab = embed.shape[0]
     order = torch.randperm(vocab, generator=gen)
     previous = torch.empty_like(order)
@@ -124,14 +139,53 @@ def make_tiny_checkpoint(
     return dst
 
 
-def make_tiny_int8_checkpoint(
-    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, weight_seed: int = 0, **overrides
+def make_tiny_vl_checkpoint(
+    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, weight_seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+    **overrides,
 ) -> Path:
-    """BF16 checkpoint at `DST-bf16`, then the quantizer's INT8-PLE copy at `dst`; returns `dst`."""
+    """A `Qwen4ExpForConditionalGeneration` (the official checkpoints' architecture): the tiny text model
+    plus `TINY_VISION`, written with the tokenizer and a Qwen3-VL processor's files (its image processor in
+    `preprocessor_config.json`; the video processor, which needs torchvision, takes its defaults)."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = load_config(config_path, **overrides)
+    token_ids = {key: text.vocab_size - len(VISION_TOKENS) + i for i, key in enumerate(VISION_TOKENS)}
+    config = Qwen4ExpConfig(
+        text_config=text.to_dict(),
+        vision_config={**TINY_VISION, "out_hidden_size": text.hidden_size},
+        architectures=["Qwen4ExpForConditionalGeneration"],
+        **token_ids,
+    )
+    torch.manual_seed(weight_seed)
+    model = Qwen4ExpForConditionalGeneration(config)
+    randomize_(model, weight_seed)
+    dst = Path(dst)
+    model.to(dtype).save_pretrained(dst)
+    extra = {token_ids[key]: token for key, token in VISION_TOKENS.items()}
+    tokenizer = build_tokenizer(text.vocab_size, text.eos_token_id, text.bos_token_id, text.pad_token_id, extra)
+    tokenizer.save_pretrained(dst)
+    vision = config.vision_config
+    images = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        size={"shortest_edge": IMAGE_PIXELS[0], "longest_edge": IMAGE_PIXELS[1]},
+    )
+    images.save_pretrained(dst)
+    (dst / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return dst
+
+
+def make_tiny_int8_checkpoint(
+    dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, weight_seed: int = 0, vision: bool = False, **overrides
+) -> Path:
+    """BF16 checkpoint at `DST-bf16` (multimodal with `vision`), then the quantizer's INT8-PLE copy at `dst`."""
     from qwen4_exp_hcu.quantize import quantize_checkpoint
 
     dst = Path(dst)
-    bf16 = make_tiny_checkpoint(dst.with_name(f"{dst.name}-bf16"), config_path, weight_seed, **overrides)
+    make = make_tiny_vl_checkpoint if vision else make_tiny_checkpoint
+    bf16 = make(dst.with_name(f"{dst.name}-bf16"), config_path, weight_seed, **overrides)
     quantize_checkpoint(bf16, dst)
     return dst
 
@@ -166,6 +220,15 @@ def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
+def _reference_model(path: str | Path):
+    """transformers' class for the checkpoint's architecture (multimodal ones too), fp32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    multimodal = hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
 def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
     """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle).
@@ -173,9 +236,7 @@ def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens:
     Every step re-runs the whole sequence without a cache and never stops or masks at EOS (like vLLM's
     `ignore_eos`). Returns per prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities.
     """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _reference_model(path)
     results = []
     for prompt in prompts:
         seq, rows = list(prompt), []
@@ -187,15 +248,49 @@ def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens:
     return results
 
 
+@torch.no_grad()
+def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_tokens: int) -> dict:
+    """`reference_greedy` for a multimodal checkpoint: `prompt` holds one `<|image_pad|>` that the
+    processor's image grid expands, as vLLM's processor does; transformers gets the same pixel values,
+    grid and `mm_token_type_ids` (its M-RoPE positions). Returns the tokens, log-probabilities and the
+    expanded prompt."""
+    from transformers import AutoImageProcessor
+
+    model = _reference_model(path)
+    pixels = AutoImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    pad = model.config.image_token_id
+    n_image = int(grid.prod()) // model.config.vision_config.spatial_merge_size**2
+    i = prompt.index(pad)
+    seq, rows = prompt[:i] + [pad] * n_image + prompt[i + 1 :], []
+    expanded = list(seq)
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq])
+        logits = model(
+            input_ids=ids,
+            pixel_values=pixels["pixel_values"].float(),
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == pad).int(),
+            use_cache=False,
+        ).logits[0, -1]
+        rows.append(logits.log_softmax(-1))
+        seq.append(int(logits.argmax()))
+    return {"tokens": seq[len(expanded) :], "logprobs": torch.stack(rows), "prompt": expanded}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output directory (the INT8 checkpoint when --int8 is given)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="JSON with Qwen4ExpTextConfig fields")
     parser.add_argument("--weight-seed", type=int, default=0, help="draws the weights (the hash seed is the config's)")
     parser.add_argument("--int8", action="store_true", help="quantize the PLE tables (writes DST-bf16 first)")
+    parser.add_argument("--vision", action="store_true", help="a Qwen4ExpForConditionalGeneration (vision tower)")
     args = parser.parse_args(argv)
-    make = make_tiny_int8_checkpoint if args.int8 else make_tiny_checkpoint
-    print(make(args.dst, args.config, args.weight_seed))
+    if args.int8:
+        print(make_tiny_int8_checkpoint(args.dst, args.config, args.weight_seed, vision=args.vision))
+    else:
+        make = make_tiny_vl_checkpoint if args.vision else make_tiny_checkpoint
+        print(make(args.dst, args.config, args.weight_seed))
 
 
 if __name__ == "__main__":

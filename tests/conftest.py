@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,25 @@ def results_dir(request) -> Path | None:
     """Where tests write result files (``--results-dir``); None: write nothing."""
     d = request.config.getoption("--results-dir")
     return None if d is None else Path(d)
+
+
+@pytest.fixture(scope="module")
+def vllm_process():
+    """One single-rank vLLM distributed environment for the module (see `vllm_inproc`); torn down so later
+    engines start clean."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import cleanup_dist_env_and_memory, ensure_model_parallel_initialized
+    from vllm.distributed import init_distributed_environment
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo"
+        )
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    cleanup_dist_env_and_memory()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,67 +8,18 @@ paying for an engine start per case.
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint, make_tiny_int8_checkpoint
+from vllm_inproc import build_model, engine_config, load
 
 pytestmark = pytest.mark.vllm
 
 PLE0 = "model.layers.0.ple."
 SHARD = PLE0 + "ple_embedding.ngram_embedding.shard_{}.weight"
 SCALE = PLE0 + "ple_embedding.ngram_embedding.shard_{}.weight_scale"
-
-
-@pytest.fixture(scope="module")
-def vllm_process():
-    """One single-rank distributed environment for the module; torn down so later engines start clean."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import cleanup_dist_env_and_memory, ensure_model_parallel_initialized
-    from vllm.distributed import init_distributed_environment
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo"
-        )
-        ensure_model_parallel_initialized(1, 1)
-    yield
-    cleanup_dist_env_and_memory()
-
-
-def engine_config(path, **kwargs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    kwargs.setdefault("max_model_len", 256)
-    return EngineArgs(model=str(path), max_num_batched_tokens=64, max_num_seqs=4, **kwargs).create_engine_config()
-
-
-def build_model(path, **kwargs):
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    config = engine_config(path, **kwargs)
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
-        return initialize_model(vllm_config=config, model_config=config.model_config), config
-
-
-def load(path, edit=None):
-    """Build the model and load the checkpoint after `edit(weights)` changed it in memory."""
-    from vllm.config import set_current_vllm_config
-
-    model, config = build_model(path)
-    weights = load_file(path / "model.safetensors")
-    if edit is not None:
-        edit(weights)
-    with set_current_vllm_config(config):
-        model.load_weights(iter(weights.items()))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -208,25 +159,27 @@ def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(in
         claims(bad, ours)
 
 
-def _registered() -> dict[str, str]:
-    from vllm import ModelRegistry
-
-    return {a: ModelRegistry.models[a].module_name for a in ("Qwen4ExpForCausalLM", "Qwen4ExpHcuForCausalLM")}
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpHcuForCausalLM")
 
 
 def test_plugin_registration_and_disable_switch(vllm_process):
-    ours = "qwen4_exp_hcu.model.model"
-    assert _registered() == {"Qwen4ExpForCausalLM": ours, "Qwen4ExpHcuForCausalLM": ours}
-    # A fresh process with the switch on keeps vLLM's own class; the alias stays ours.
+    from vllm import ModelRegistry
+
+    from qwen4_exp_hcu.env import vision_available
+
+    text = "qwen4_exp_hcu.model.model"
+    multimodal = "qwen4_exp_hcu.model.multimodal" if vision_available() else text  # text prompts only without torchvision
+    registered = {a: ModelRegistry.models[a].module_name for a in ARCHITECTURES}
+    assert registered == dict(zip(ARCHITECTURES, (text, multimodal, text)))
+    # A fresh process with the switch on keeps vLLM's own classes; the alias stays ours.
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins();"
-        "from vllm import ModelRegistry as R;"
-        "print(R.models['Qwen4ExpForCausalLM'].module_name, R.models['Qwen4ExpHcuForCausalLM'].module_name)"
+        f"from vllm import ModelRegistry as R; print(*(R.models[a].module_name for a in {ARCHITECTURES!r}))"
     )
     env = {**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    vllm_own, alias = out.stdout.split()[-2:]
-    assert vllm_own.startswith("vllm.") and alias == ours
+    causal, conditional, alias = out.stdout.split()[-3:]
+    assert causal.startswith("vllm.") and conditional.startswith("vllm.") and alias == text
 
 
 def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int8_path, monkeypatch):

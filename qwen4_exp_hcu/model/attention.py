@@ -78,13 +78,11 @@ class DenseGatedAttention(nn.Module):
         )
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # Text-only positions are equal in all M-RoPE sections, so M-RoPE is plain RoPE here.
-        mrope_keys = ("mrope_section", "mrope_interleaved")
-        rope = {k: v for k, v in (config.rope_parameters or {}).items() if k not in mrope_keys}
+        # M-RoPE when the checkpoint keeps its sections: positions are [3, T] with images, [T] for text.
         self.rotary_emb = get_rope(
             head_size=self.head_dim,
             max_position=config.max_position_embeddings,
-            rope_parameters=rope,
+            rope_parameters=config.rope_parameters,
             is_neox_style=True,
         )
         self.attn = Attention(

@@ -56,7 +56,8 @@ _STACKED = {
     ".in_proj_b": (".in_proj_ba", 0),
     ".in_proj_a": (".in_proj_ba", 1),
 }
-# Multimodal checkpoints nest the text model; MTP and vision weights belong to other models.
+# Multimodal checkpoints nest the text model; MTP and vision weights belong to other models
+# (`multimodal.Qwen4ExpForConditionalGeneration` hands this class its text part only).
 _PREFIXES = {"model.language_model.": "model.", "mtp.": None, "model.visual.": None}
 
 
@@ -180,8 +181,6 @@ class Qwen4ExpModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if positions.ndim == 2:  # M-RoPE rows of text tokens are identical
-            positions = positions[0]
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = hidden.repeat(1, self.hc_count)
         if self.ple_blocks and input_ids is None:

@@ -25,7 +25,7 @@ def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
     """A checkpoint of our model class that declares INT8 PLE tables (raises for another PLE scheme)."""
     from qwen4_exp_hcu.ple.int8_scheme import declares_int8_tables
 
-    if not our_architectures() & set(getattr(hf_config, "architectures", None) or []):
+    if not our_architectures().keys() & set(getattr(hf_config, "architectures", None) or []):
         return False
     return declares_int8_tables(hf_quant_cfg)
 

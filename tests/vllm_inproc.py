@@ -1,0 +1,36 @@
+"""vLLM's config and our model built in the test process (world size 1, gloo), without an engine: what
+`vllm serve` builds at startup, for tests that check start-up errors and weight loading case by case.
+Needs the `vllm_process` fixture (conftest) active."""
+
+import torch
+from safetensors.torch import load_file
+
+
+def engine_config(path, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs.setdefault("max_model_len", 256)
+    return EngineArgs(model=str(path), max_num_batched_tokens=64, max_num_seqs=4, **kwargs).create_engine_config()
+
+
+def build_model(path, **kwargs):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = engine_config(path, **kwargs)
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+        return initialize_model(vllm_config=config, model_config=config.model_config), config
+
+
+def load(path, edit=None, **kwargs):
+    """Build the model and load the checkpoint after `edit(weights)` changed it in memory."""
+    from vllm.config import set_current_vllm_config
+
+    model, config = build_model(path, **kwargs)
+    weights = load_file(path / "model.safetensors")
+    if edit is not None:
+        edit(weights)
+    with set_current_vllm_config(config):
+        model.load_weights(iter(weights.items()))
+    return model
