@@ -17,7 +17,7 @@ from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
-from qwen4_exp_hcu.ple.hashing import NgramHashSpec, next_ngram_context, ngram_ids
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.host_memory import SharedHost
 
 
@@ -30,11 +30,45 @@ def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor)
     scatter(state, slot_ids, rows)
 
 
-def state_shapes(text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def state_shapes(text_config, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-slot shapes of a PLE layer's (n-gram context, short-conv window), from the config alone
-    (a serving engine sizes its state cache before any layer exists)."""
+    (a serving engine sizes its state cache before any layer exists); each keeps
+    `num_speculative_tokens` more entries when drafts are verified (see `batch`)."""
     window = (text_config.ple_conv_kernel_size - 1) * text_config.ngram_size
-    return (text_config.ngram_size - 1,), (window, text_config.hc_count * text_config.hidden_size)
+    extra = num_speculative_tokens
+    return (text_config.ngram_size - 1 + extra,), (window + extra, text_config.hc_count * text_config.hidden_size)
+
+
+def _history(window: torch.Tensor, chunk: torch.Tensor, qsl: torch.Tensor, req: torch.Tensor, j: torch.Tensor):
+    """Entry j of each request's (window ++ chunk): j < 0 reads the window ([B, L, ...]), j >= 0 the
+    packed chunk ([T, ...]); `req` and `j` are index tensors of one shape."""
+    L, T = window.shape[1], chunk.shape[0]
+    from_chunk = chunk[(qsl[req] + j).clamp(0, max(T - 1, 0))] if T else chunk.new_zeros(*j.shape, *chunk.shape[1:])
+    from_window = window[req, (L + j).clamp(0, L - 1)]
+    return torch.where((j >= 0).view(*j.shape, *[1] * (chunk.dim() - 1)), from_chunk, from_window)
+
+
+def _read_state(stored: torch.Tensor, batch: PLEBatch, length: int, fill) -> torch.Tensor:
+    """Each request's current `length` entries of its slot: from offset num_accepted - 1 (speculation),
+    `fill` for new requests and padding."""
+    slots = batch.slot_ids.clamp(0, stored.shape[0] - 1)
+    offset = 0 if batch.num_accepted is None else (batch.num_accepted.long() - 1)[:, None]
+    rows = stored[slots[:, None], offset + torch.arange(length, device=stored.device)]
+    live = (batch.has_initial_state & (batch.slot_ids >= 0)).view(-1, *[1] * (rows.dim() - 1))
+    return torch.where(live, rows, fill)
+
+
+def _write_state(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, chunk: torch.Tensor) -> None:
+    """Store each request's tail of (window ++ chunk) in its slot: the last `length` entries, or, for a
+    request that verifies k drafts, the last `length + k` (the window after each of its positions)."""
+    qsl, B, L = batch.query_start_loc.long(), batch.num_requests, window.shape[1]
+    n = qsl[1:] - qsl[:-1]
+    drafts = torch.zeros_like(n) if batch.verify is None else torch.where(batch.verify, (n - 1).clamp_min(0), 0)
+    j = (n - L - drafts)[:, None] + torch.arange(stored.shape[1], device=n.device)
+    req = torch.arange(B, device=n.device)[:, None].expand_as(j)
+    rows = _history(window, chunk, qsl, req, j)
+    rows = torch.where((j < n[:, None]).view(*j.shape, *[1] * (rows.dim() - 2)), rows, 0)
+    write_state(stored, batch.slot_ids, rows.to(stored.dtype))
 
 
 # the scales a table shard comes with, by its weight's dtype (BF16/F32 shards have none)
@@ -72,8 +106,8 @@ class PLELayer(nn.Module):
         self.spec = spec = NgramHashSpec.from_config(text_config, ple_layer_index)
         self.hidden, self.hc = text_config.hidden_size, text_config.hc_count
         self.conv_size = text_config.ple_conv_kernel_size
-        self._state_shapes = state_shapes(text_config)
-        self.state_len = self._state_shapes[1][0]
+        self._config = text_config
+        self.state_len = state_shapes(text_config)[1][0]
         embed_dim, width = spec.num_heads * spec.head_dim, self.hidden * self.hc
         self.etp = ETPLookup(
             spec.rows, spec.head_dim, etp_group, across_dp, replica_group, fmt=table_format, device=device,
@@ -96,24 +130,25 @@ class PLELayer(nn.Module):
         return self.etp.table
 
     # ---- state -------------------------------------------------------------------------------
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def state_shapes(self, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-slot shapes of (n-gram context, short-conv window)."""
-        return self._state_shapes
+        return state_shapes(self._config, num_speculative_tokens)
 
     def _request_context(self, batch: PLEBatch, state: PLEState) -> torch.Tensor:
-        live = (batch.has_initial_state & (batch.slot_ids >= 0))[:, None]
-        ctx = state.ngram[batch.slot_ids.clamp(0, state.ngram.shape[0] - 1)]
-        return torch.where(live, ctx, self.spec.eos_token_id)
+        return _read_state(state.ngram, batch, self.spec.context_len, self.spec.eos_token_id)
 
     def check_inputs(self, hidden_states: torch.Tensor, batch: PLEBatch, state: PLEState) -> None:
         """Shape/dtype/device errors always; value checks only for CPU tensors (no host syncs on accelerators)."""
         dev, B = batch.input_ids.device, batch.num_requests
+        extra = max(state.ngram.shape[-1] - self.spec.context_len, 0)  # speculative entries
         expect = {
             "input_ids": (batch.input_ids, (hidden_states.shape[0],), None),
             "query_start_loc": (batch.query_start_loc, (B + 1,), None),
             "has_initial_state": (batch.has_initial_state, (B,), torch.bool),
-            "ngram_state": (state.ngram, (state.ngram.shape[0], self.spec.context_len), torch.int64),
-            "conv_state": (state.conv, (state.conv.shape[0], self.state_len, self.hidden * self.hc), hidden_states.dtype),
+            "ngram_state": (state.ngram, (state.ngram.shape[0], self.spec.context_len + extra), torch.int64),
+            "conv_state": (state.conv, (state.conv.shape[0], self.state_len + extra, self.hidden * self.hc), hidden_states.dtype),
+            **({} if batch.verify is None else {"verify": (batch.verify, (B,), torch.bool)}),
+            **({} if batch.num_accepted is None else {"num_accepted": (batch.num_accepted, (B,), None)}),
         }
         for name, (t, shape, dtype) in expect.items():
             if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or t.device != dev:
@@ -133,6 +168,13 @@ class PLELayer(nn.Module):
             for name, t in (("ngram_state", state.ngram), ("conv_state", state.conv)):
                 if bool((batch.slot_ids >= t.shape[0]).any()):
                     raise ValueError(f"slot_ids {batch.slot_ids.tolist()} out of range for {name} with {t.shape[0]} slots.")
+            if batch.num_accepted is not None and bool(((batch.num_accepted < 1) | (batch.num_accepted > extra + 1)).any()):
+                raise ValueError(
+                    f"num_accepted {batch.num_accepted.tolist()} must be in 1..{extra + 1} for a state with {extra} "
+                    "speculative entries."
+                )
+            if batch.verify is not None and bool((batch.verify & (qsl[1:] - qsl[:-1] > extra + 1)).any()):
+                raise ValueError(f"a verifying request sends at most {extra + 1} tokens (its last + {extra} drafts).")
 
     # ---- compute -----------------------------------------------------------------------------
     def lookup(self, batch: PLEBatch, state: PLEState, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,28 +185,17 @@ class PLELayer(nn.Module):
 
     def _short_conv(self, x: torch.Tensor, batch: PLEBatch, conv_state: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv, kernel K, dilation N, over (window ++ chunk) of each request; updates the window."""
-        T, B, L, N = x.shape[0], batch.num_requests, self.state_len, self.spec.ngram_size
-        qsl, slot_ids = batch.query_start_loc.long(), batch.slot_ids
-        live = (batch.has_initial_state & (slot_ids >= 0))[:, None, None]
-        window = torch.where(live, conv_state[slot_ids.clamp(0, conv_state.shape[0] - 1)], 0)  # [B, L, C]
-
-        def history(req, j, pos):  # row j of each request's (window ++ chunk), j < 0 inside the window
-            from_chunk = x[pos.clamp(0, max(T - 1, 0))] if T else x.new_zeros(pos.shape[0], x.shape[1])
-            return torch.where((j >= 0)[..., None], from_chunk, window[req, (L + j).clamp(0, L - 1)])
-
+        T, B, N = x.shape[0], batch.num_requests, self.spec.ngram_size
+        qsl = batch.query_start_loc.long()
+        window = _read_state(conv_state, batch, self.state_len, 0)  # [B, L, C]
         pos = torch.arange(T, device=x.device)
         req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(max(B - 1, 0))
         i = pos - qsl[req]
         weight = self.conv1d.weight[:, 0]  # [C, K]
         acc = torch.zeros_like(x)
         for k in range(self.conv_size):
-            lag = (self.conv_size - 1 - k) * N
-            acc = acc + history(req, i - lag, pos - lag) * weight[:, k]
-        # new window: the last L rows of (window ++ chunk)
-        reqs = torch.arange(B, device=x.device)[:, None].expand(B, L)
-        j = (qsl[1:] - qsl[:-1])[:, None] + torch.arange(-L, 0, device=x.device)
-        new_window = history(reqs.reshape(-1), j.reshape(-1), (qsl[1:, None] - L + torch.arange(L, device=x.device)).reshape(-1))
-        write_state(conv_state, slot_ids, new_window.view(B, L, x.shape[1]))
+            acc = acc + _history(window, x, qsl, req, i - (self.conv_size - 1 - k) * N) * weight[:, k]
+        _write_state(conv_state, batch, window, x)
         return F.silu(acc)
 
     def forward(
@@ -176,8 +207,7 @@ class PLELayer(nn.Module):
         self.check_inputs(hidden_states, batch, state)
         if embeddings is None:
             embeddings = self.lookup(batch, state)
-        ctx = self._request_context(batch, state)
-        write_state(state.ngram, batch.slot_ids, next_ngram_context(self.spec, batch.input_ids, batch.query_start_loc, ctx))
+        _write_state(state.ngram, batch, self._request_context(batch, state), batch.input_ids)
 
         e = embeddings.to(hidden_states.dtype)
         T = hidden_states.shape[0]

@@ -1,0 +1,89 @@
+"""PLELayer under speculative decoding: verify k drafts per request, accept a random prefix, repeat.
+
+The reference runs the same layer without speculation on the accepted tokens only, one by one. Every
+accepted position's output and the state after each round (read at the accepted length) must equal it
+bit for bit (bf16, the serving dtype, whose CPU matmuls give a row the same bits in any batch).
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from layer_utils import make_pair
+from ple_configs import EOS, tiny_text_config
+from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
+
+CFG = tiny_text_config(ngram_size=3)
+_, LAYER = make_pair(CFG, quantized=True)
+LAYER = LAYER.to(torch.bfloat16)
+C = CFG.hidden_size * CFG.hc_count
+SLOTS = 4
+
+
+def tokens(data, n):
+    return data.draw(st.lists(st.sampled_from([EOS, 3, 4, 5, 50, 96]), min_size=n, max_size=n))
+
+
+def current(state: PLEState, slot: int, accepted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (n-gram context, conv window) a request reads: from offset accepted - 1."""
+    ctx, window = LAYER.state_shapes()
+    return (state.ngram[slot, accepted - 1 : accepted - 1 + ctx[0]], state.conv[slot, accepted - 1 : accepted - 1 + window[0]])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), extra=st.integers(1, 4), num_requests=st.integers(1, 3))
+def test_verify_then_accept_equals_running_the_accepted_tokens_one_by_one(data, extra, num_requests):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    slots = data.draw(st.permutations(range(SLOTS)))[:num_requests]
+    spec = PLEState.zeros(LAYER.state_shapes(extra), SLOTS, torch.bfloat16)
+    seq = PLEState.zeros(LAYER.state_shapes(), SLOTS, torch.bfloat16)
+    hidden = lambda n: torch.randn(n, C, generator=gen).to(torch.bfloat16)  # noqa: E731
+
+    # prefill (packed, both states), then rounds of verify + accept
+    prompts = [tokens(data, data.draw(st.integers(1, 7))) for _ in slots]
+    ids, hs = torch.tensor(sum(prompts, [])), hidden(sum(map(len, prompts)))
+    lens = [len(p) for p in prompts]
+    LAYER(hs, PLEBatch.from_lengths(ids, lens, slots, [False] * num_requests), spec)
+    LAYER(hs, PLEBatch.from_lengths(ids, lens, slots, [False] * num_requests), seq)
+    accepted = [1] * num_requests
+    for _ in range(3):
+        chunks = [tokens(data, 1 + data.draw(st.integers(0, extra))) for _ in slots]  # last token + drafts
+        hs = hidden(sum(map(len, chunks)))
+        batch = PLEBatch.from_lengths(
+            torch.tensor(sum(chunks, [])), [len(c) for c in chunks], slots, [True] * num_requests,
+            verify=[True] * num_requests, num_accepted=accepted,
+        )  # fmt: skip
+        out = LAYER(hs, batch, spec)
+        accepted = [data.draw(st.integers(1, len(c))) for c in chunks]
+        starts = batch.query_start_loc.tolist()
+        for r, (slot, chunk, a) in enumerate(zip(slots, chunks, accepted)):
+            for i in range(a):  # the reference sees only the accepted tokens, one at a time
+                h = hs[starts[r] + i : starts[r] + i + 1]
+                want = LAYER(h, PLEBatch.from_lengths(torch.tensor(chunk[i : i + 1]), [1], [slot], [True]), seq)
+                assert torch.equal(out[starts[r] + i], want[0]), (r, i)
+            want_ctx, want_window = current(seq, slot, 1)
+            got_ctx, got_window = current(spec, slot, a)
+            assert torch.equal(got_ctx, want_ctx) and torch.equal(got_window, want_window), (r, a)
+
+
+def test_rejected_drafts_would_be_visible_without_num_accepted():
+    """The comparison above is sensitive: reading the verified state from offset 0 (ignoring what was
+    accepted) gives a different window as soon as a draft is accepted or rejected."""
+    spec = PLEState.zeros(LAYER.state_shapes(2), 1, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    hs = torch.randn(4, C, generator=gen).to(torch.bfloat16)
+    LAYER(hs, PLEBatch.from_lengths(torch.tensor([3, 4, 5, 50]), [4], [0], [False]), spec)
+    LAYER(hs[:3], PLEBatch.from_lengths(torch.tensor([5, 96, 4]), [3], [0], [True], verify=[True]), spec)
+    assert not torch.equal(current(spec, 0, 1)[1], current(spec, 0, 2)[1])
+    assert not torch.equal(current(spec, 0, 1)[0], current(spec, 0, 3)[0])
+
+
+def test_speculation_inputs_are_checked():
+    state = PLEState.zeros(LAYER.state_shapes(2), 1, torch.bfloat16)
+    hs = torch.zeros(4, C, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 4, 5, 50])
+    with pytest.raises(ValueError, match="num_accepted"):
+        LAYER(hs[:1], PLEBatch.from_lengths(ids[:1], [1], [0], [True], num_accepted=[4]), state)
+    with pytest.raises(ValueError, match="verifying request"):
+        LAYER(hs, PLEBatch.from_lengths(ids, [4], [0], [True], verify=[True]), state)
