@@ -184,16 +184,3 @@ def ngram_ids(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context, ou
     from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 
     return ngram_hash(spec, input_ids, query_start_loc, ngram_context, out=out)
-
-
-def next_ngram_context(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
-    """Each request's context after this chunk: the last N-1 tokens of (context ++ chunk), [B, N-1]."""
-    if input_ids.numel() == 0:
-        return ngram_context.long().clone()
-    qsl = query_start_loc.long()
-    ends = qsl[1:]
-    k = torch.arange(spec.context_len, device=input_ids.device) - spec.context_len  # -(N-1) .. -1
-    j = (ends - qsl[:-1])[:, None] + k[None, :]  # position in the chunk; negative = old context
-    from_chunk = input_ids.long()[(ends[:, None] + k[None, :]).clamp(0, input_ids.shape[0] - 1)]
-    from_ctx = ngram_context.long().gather(1, (spec.context_len + j).clamp(0, spec.context_len - 1))
-    return torch.where(j >= 0, from_chunk, from_ctx)
