@@ -140,6 +140,13 @@ def main() -> None:
     print(f"best fused config {best[False]}: {sweeps[False][best[False]]:.2f} GB/s; "
           f"sorted {best[True]}: {sweeps[True][best[True]]:.2f} GB/s", flush=True)
 
+    # the same rows on 2 MiB pages (--engram-config.use_thp): hugetlb when reserved, else THP
+    huge = PLETable(R, D, fmt="int8", device="cuda", host=True, huge_pages=True)
+    for a in range(0, R, chunk):
+        huge.weight[a : a + chunk].copy_(w_host[a : a + chunk])
+    huge.scale.copy_(s_host)
+    print(f"2 MiB-page copy: {huge.describe()}", flush=True)
+
     packed = None
     try:
         packed = torch.empty(R, D + 2, dtype=torch.int8, pin_memory=True)
@@ -187,6 +194,13 @@ def main() -> None:
         "vLLM-style (row copy, then dequant)": vllm_style,
         "host gather + H2D": host_staging,
         "GPU-resident (ours)": lambda ids: gather_dequant(ids, w_gpu, s_gpu, 0, out, **PLETable.DEVICE_TUNING),
+        "fused, sorted, scales on the GPU": lambda ids: gather_dequant(ids, w_host, s_gpu, 0, out, **PLETable.HOST_TUNING),
+        f"fused, sorted, {huge.pages} 2 MiB pages": lambda ids: gather_dequant(
+            ids, huge.weight, huge.scale, 0, out, **PLETable.HOST_TUNING
+        ),
+        f"fused, sorted, {huge.pages} 2 MiB pages + scales on the GPU": lambda ids: gather_dequant(
+            ids, huge.weight, s_gpu, 0, out, **PLETable.HOST_TUNING
+        ),
     }
     if packed is not None:
         bp, nw = tuned[False]["block_p"], tuned[False]["num_warps"]

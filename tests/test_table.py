@@ -63,6 +63,47 @@ def test_bf16_checkpoint_into_int8_storage_quantizes_on_load():
     assert torch.equal(t.weight, q) and torch.equal(t.scale, s)
 
 
+def test_huge_page_table_is_exact_and_on_2mib_pages():
+    """use_thp: the rows sit on 2 MiB pages (THP here: no hugetlb pages reserved) and look up exactly."""
+    from qwen4_exp_hcu.ple import host_memory
+
+    w = torch.randn(40_000, 64, dtype=torch.bfloat16)  # INT8 rows: 2.4 MiB
+    t = table_from(w, parts=3, quantized=True, host=True, huge_pages=True)
+    ids = torch.randint(-5, 40_005, (500, 4))
+    assert torch.equal(t.lookup(ids), table_from(w, parts=3, quantized=True).lookup(ids))
+    if host_memory._free_hugetlb_bytes() == 0 and host_memory._thp_possible():
+        assert t.pages == "thp" and "2 MiB pages" in t.describe()
+        assert anon_huge_kib(t.weight) >= 2048  # the kernel backs the rows with huge pages
+
+
+def test_huge_pages_fall_back_to_4k_with_a_warning(monkeypatch, tmp_path, caplog):
+    from qwen4_exp_hcu.ple import host_memory
+
+    off = tmp_path / "enabled"
+    off.write_text("always madvise [never]\n")
+    monkeypatch.setattr(host_memory, "THP_SETTING", off)
+    monkeypatch.setattr(host_memory, "_free_hugetlb_bytes", lambda: 0)
+    w = torch.randn(100, 64, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger=host_memory.__name__):
+        t = table_from(w, quantized=True, host=True, huge_pages=True)
+    assert t.pages == "4k" and "use_thp" in caplog.text
+    assert torch.equal(t.lookup(torch.arange(100)[:, None]), table_from(w, quantized=True).lookup(torch.arange(100)[:, None]))
+
+
+def anon_huge_kib(tensor) -> int:
+    """AnonHugePages of the mapping holding `tensor` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split()
+        if fields and "-" in fields[0] and all(c in "0123456789abcdef-" for c in fields[0]):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= tensor.data_ptr() < hi:
+                for entry in lines[i + 1 : i + 30]:
+                    if entry.startswith("AnonHugePages:"):
+                        return int(entry.split()[1])
+    return 0
+
+
 def test_bad_inputs_named():
     with pytest.raises(ValueError, match=r"\[5, 20\) is not inside the table's 10 rows"):
         PLETable(10, 4, start=5, end=20)
@@ -89,12 +130,18 @@ def test_bad_inputs_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize(
+    "host, options",
+    [(False, {}), (True, {}), (True, {"huge_pages": True}), (True, {"scales_on_device": True})],
+    ids=["device", "pinned_host", "host_2mib_pages", "host_rows_device_scales"],
+)
 @pytest.mark.parametrize("quantized", [False, True])
-def test_gpu_lookup_exact_device_and_pinned_host(host, quantized):
+def test_gpu_lookup_exact_device_and_pinned_host(host, options, quantized):
     w = torch.randn(1000, 64, dtype=torch.bfloat16)
-    t = table_from(w, parts=7, quantized=quantized, device="cuda", host=host)
+    t = table_from(w, parts=7, quantized=quantized, device="cuda", host=host, **options)
     assert t.weight.is_pinned() == host and (t.weight.device.type == "cpu") == host
+    if quantized and options.get("scales_on_device"):
+        assert t.scale.is_cuda
     ids = torch.randint(-5, 1005, (300, 8), device="cuda")
     got = t.lookup(ids)
     cpu = table_from(w, parts=7, quantized=quantized)

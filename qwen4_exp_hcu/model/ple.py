@@ -93,6 +93,8 @@ class PLEPlacement:
         # DP replicas hold the same TP-sharded tables: with dp_shared_memory, one host copy per node
         share = engram is not None and engram.dp_shared_memory and dp > 1 and self.cpu_offload and not self.across_dp
         self.shared_host = dp_shared_host(vllm_config, self.table_format) if share else None
+        # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
+        self.huge_pages = engram is not None and bool(engram.use_thp) and self.cpu_offload and self.shared_host is None
 
     def etp_group(self):
         from vllm.distributed import get_etp_group
@@ -271,6 +273,7 @@ class PLEBlock(nn.Module, MambaBase):
             across_dp=placement.across_dp,
             replica_group=placement.replica_group(),
             shared_host=placement.shared_host,
+            huge_pages=placement.huge_pages,
             dtype=self.model_dtype,
         )
         self.kv_cache = (torch.tensor([]), torch.tensor([]))

@@ -100,6 +100,7 @@ class PLELayer(nn.Module):
         across_dp: bool = False,
         replica_group: Group | None = None,
         shared_host: SharedHost | None = None,
+        huge_pages: bool = False,
         dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
@@ -112,7 +113,7 @@ class PLELayer(nn.Module):
         self.etp = ETPLookup(
             spec.rows, spec.head_dim, etp_group, across_dp, replica_group, fmt=table_format, device=device,
             host=host_table, shard_rows=-(-spec.rows // text_config.split_ngram_parts),
-            shared=None if shared_host is None else shared_host.scoped(f"ple{ple_layer_index}"),
+            shared=None if shared_host is None else shared_host.scoped(f"ple{ple_layer_index}"), huge_pages=huge_pages,
         )  # fmt: skip
         kw = dict(device=device, dtype=dtype)
         self.key_proj = nn.Linear(embed_dim, width, bias=False, **kw)

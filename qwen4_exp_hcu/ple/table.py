@@ -86,8 +86,10 @@ class PLETable:
     """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16.
 
     `fmt` is the storage format (`ple.formats`): `bf16`, `int8` (+ one bf16 scale per row), `fp8` (e4m3 +
-    one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales + one fp32 scale). Rows and
-    per-row scales live with the table (host or accelerator); the one-number scale on the accelerator."""
+    one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales + one fp32 scale). Rows
+    live on the accelerator or in host memory (`host`; on 2 MiB pages with `huge_pages`); per-row scales live
+    with them unless `scales_on_device` keeps them on the accelerator (one host read per row instead of two);
+    the one-number scale always lives on the accelerator."""
 
     # kernel settings measured on an H200 (benchmarks/bench_lookup.py; docs/PERFORMANCE.md)
     DEVICE_TUNING = dict(block_p=16, num_warps=4)
@@ -105,6 +107,8 @@ class PLETable:
         host: bool = False,
         shard_rows: int | None = None,
         shared: SharedHost | None = None,
+        huge_pages: bool = False,
+        scales_on_device: bool = False,
     ):
         end = rows if end is None else end
         if not 0 <= start <= end <= rows:
@@ -123,8 +127,12 @@ class PLETable:
             raise ValueError("dp_shared_memory shares host-resident PLE tables; this table is on the accelerator.")
         self.shared = shared  # the DP replicas on this node map one copy; its first rank fills it
         where = torch.device("cpu") if host else self.compute_device
+        self.pages = "4k"  # host pages: "4k", "thp" or "hugetlb"
+        on_device = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=self.compute_device)  # noqa: E731
         if shared is not None:
             alloc = lambda shape, dtype, name: shared.empty(name, shape, dtype)  # noqa: E731
+        elif host and huge_pages:
+            alloc = self._huge_page_alloc
         elif pin:
             alloc = lambda shape, dtype, name: _pinned_empty(shape, dtype)  # noqa: E731
         else:
@@ -132,13 +140,20 @@ class PLETable:
         n = end - start
         self.weight = alloc((n, dim // 2 if fmt == "nvfp4" else dim), _WEIGHT_DTYPES[fmt], "weight")
         row_scale = {"int8": ((n, 1), torch.bfloat16), "nvfp4": ((n, dim // NVFP4_BLOCK), torch.float8_e4m3fn)}
-        self.scale = alloc(*row_scale[fmt], "scale") if fmt in row_scale else None
+        scale_alloc = on_device if scales_on_device else alloc
+        self.scale = scale_alloc(*row_scale[fmt], "scale") if fmt in row_scale else None
         # fp8 / nvfp4: one fp32 scale for the whole table (every checkpoint shard must carry the same)
         self.tensor_scale = (
             torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if fmt in ("fp8", "nvfp4") else None
         )
         self._loaded: set[int] = set()
         self.cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def _huge_page_alloc(self, shape, dtype, name) -> torch.Tensor:
+        from qwen4_exp_hcu.ple.host_memory import huge_page_empty
+
+        tensor, self.pages = huge_page_empty(shape, dtype, f"PLE table rows [{self.start}, {self.end}) {name}")
+        return tensor
 
     @property
     def quantized(self) -> bool:
@@ -150,6 +165,10 @@ class PLETable:
 
     def describe(self) -> str:
         where = "pinned host" if self.weight.is_pinned() else str(self.weight.device)
+        if self.weight.device.type == "cpu" and self.pages != "4k":
+            where += f" ({self.pages} 2 MiB pages)"
+        if self.scale is not None and self.scale.device != self.weight.device:
+            where += f", scales on {self.scale.device}"
         kind = {"bf16": "bf16", "int8": "int8+bf16 scale", "fp8": "fp8 e4m3+table scale",
                 "nvfp4": "nvfp4 e2m1+e4m3 block scales+table scale"}[self.fmt]  # fmt: skip
         return f"rows [{self.start}, {self.end}) x {self.dim} {kind} in {where}: {self.nbytes / 2**20:.2f} MiB"
