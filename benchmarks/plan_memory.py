@@ -1,13 +1,17 @@
 """Per-rank PLE memory and per-step traffic for a config and a TP x DP layout (no GPU needed).
 
     python benchmarks/plan_memory.py [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
+                                     [--gpus-per-node 8] [--cache-gb 0]
 
 Without --config the transformers defaults are used (vocab 248 320, hidden 2048, N=3, 8 heads per order,
 base 20 M rows per head) with `--num-ple-layers` PLE layers. For every TP in 1..8 and DP in 1..8 it
 reports, per rank: table bytes (BF16 vs INT8+scale) on the GPU or in host memory, and per step with
 `--tokens` tokens per DP rank: host->GPU (PCIe) bytes of the offloaded lookup and ETP combine bytes,
 with and without `embedding_across_dp` — across DP ours (each TP rank sends a 1/TP slice of its replica's
-tokens) beside upstream vLLM's (DP gather of ids + all-reduce over TP x DP).
+tokens) beside upstream vLLM's (DP gather of ids + all-reduce over TP x DP). Per node (`--gpus-per-node`
+ranks): INT8 host bytes without and with `dp_shared_memory` (one copy of the TP-sharded tables for all DP
+replicas on the node). Per rank on the GPU beside host tables: the row scales when kept there
+(`PLETable(scales_on_device=True)`) and a hot-row cache of `--cache-gb`.
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -31,7 +35,7 @@ def load_config(path: str | None, num_ple_layers: int):
     return Qwen4ExpTextConfig(ple_layer_ids=layers, eos_token_id=248_044)
 
 
-def plan(cfg, tokens: int) -> list[dict]:
+def plan(cfg, tokens: int, gpus_per_node: int = 8, cache_bytes: int = 0) -> list[dict]:
     specs = [NgramHashSpec.from_config(cfg, i) for i in range(len(cfg.ple_layer_ids))]
     heads, dim = specs[0].num_heads, specs[0].head_dim
     rows = [s.rows for s in specs]
@@ -45,6 +49,8 @@ def plan(cfg, tokens: int) -> list[dict]:
                     "tp": tp, "dp": dp, "embedding_across_dp": across, "etp_world": world,
                     "bf16_table_bytes_per_rank": owned * dim * 2,
                     "int8_table_bytes_per_rank": owned * (dim + 2),
+                    **node_bytes(rows, dim, tp, dp, across, gpus_per_node),
+                    "gpu_bytes_per_rank_host_int8_device_scales": owned * 2 + cache_bytes,
                     # ids an ETP rank looks up per step: its DP replica's tokens, or every replica's
                     "pcie_bytes_per_step_int8": round(len(rows) * tokens * heads * (dim + 2) * (dp if across else 1) / world),
                     "etp_bytes_per_step": len(rows) * combine_bytes(world, across, heads, dim, tokens, tp),
@@ -56,25 +62,44 @@ def plan(cfg, tokens: int) -> list[dict]:
     return out
 
 
+def node_bytes(rows: list[int], dim: int, tp: int, dp: int, across: bool, gpus_per_node: int) -> dict:
+    """INT8 host bytes on one node holding `gpus_per_node` ranks (a whole number of TP groups when it can)."""
+    table = sum(rows) * (dim + 2)
+    ranks = min(tp * dp, gpus_per_node)
+    if across:  # rows split over every rank: each holds its own slice, nothing to share
+        private = shared = table * ranks / (tp * dp)
+    else:  # each DP replica's TP ranks split the whole table; sharing keeps one copy of each TP slice
+        private = table * ranks / tp
+        shared = table * min(ranks, tp) / tp
+    return {"host_bytes_per_node_int8": round(private), "host_bytes_per_node_int8_dp_shared": round(shared)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config")
     ap.add_argument("--num-ple-layers", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per DP rank per step")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--cache-gb", type=float, default=0.0, help="GPU hot-row cache per rank")
     ap.add_argument("--out", default="benchmarks/results/plan_memory.json")
     args = ap.parse_args()
     cfg = load_config(args.config, args.num_ple_layers)
-    rows = plan(cfg, args.tokens)
+    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.cache_gb * 1e9))
     gib = 2**30
-    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")
+    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'node host GiB':>13} {'shared':>7} | "
+          f"{'GPU scales':>10} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")  # fmt: skip
     for r in rows:
         if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2, 4, 8):
             print(f"{r['tp']:>2} {r['dp']:>2} {'y' if r['embedding_across_dp'] else 'n':>3} | "
                   f"{r['bf16_table_bytes_per_rank'] / gib:9.2f} {r['int8_table_bytes_per_rank'] / gib:9.2f} | "
+                  f"{r['host_bytes_per_node_int8'] / gib:13.2f} {r['host_bytes_per_node_int8_dp_shared'] / gib:7.2f} | "
+                  f"{r['gpu_bytes_per_rank_host_int8_device_scales'] / gib:10.3f} | "
                   f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f} "
                   f"{r['etp_bytes_per_step_upstream'] / 2**20:9.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "plans": rows}, indent=1))
+    meta = {"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "gpus_per_node": args.gpus_per_node,
+            "cache_bytes_per_rank": int(args.cache_gb * 1e9)}  # fmt: skip
+    Path(args.out).write_text(json.dumps({**meta, "plans": rows}, indent=1))
 
 
 if __name__ == "__main__":
