@@ -6,6 +6,7 @@ paying for an engine start per case.
 """
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -124,7 +125,26 @@ def test_cpu_offload_needs_uva():
     check_uva(True, torch.device("cpu"), uva_available=False, platform="cpu")  # host memory is the device
 
 
-def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(int8_path):
+def resolved_quantization(path, quantization_config) -> str:
+    """The method vLLM picks for `path` with `quantization_config` in its config.json, and it parses it."""
+    import json
+    import shutil
+    import tempfile
+
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(shutil.copytree(path, f"{tmp}/ckpt", ignore=shutil.ignore_patterns("*.safetensors")))
+        config = json.loads((path / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+        from vllm.config import ModelConfig
+
+        method = ModelConfig(model=str(copy), dtype="bfloat16", max_model_len=256).quantization
+    get_quantization_config(method).from_config(quantization_config)  # the `ple_tables` entry is ignored
+    return method
+
+
+def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(vllm_process, int8_path):
     import json
     from types import SimpleNamespace
 
@@ -147,12 +167,14 @@ def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(in
     assert claims(mixed, ours)
     main = PLEInt8Config.from_config(mixed)  # vLLM's own compressed-tensors config, without the PLE group
     assert type(main).__name__ == "CompressedTensorsConfig" and list(main.target_scheme_map) == ["Linear"]
-    # beside another method: the PLE tables under `ple_tables`, the main model gets that method's config
-    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "ple_tables": qconfig}
-    assert claims(fp8, ours)
-    main = PLEInt8Config.from_config(fp8)
-    assert type(main).__name__ == "Fp8Config" and main.weight_block_size == [128, 128]
-    assert not claims({k: v for k, v in fp8.items() if k != "ple_tables"}, ours)
+    # beside another method (`ple_tables`): vLLM's own method and its own resolution take the checkpoint
+    for main in (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    ):
+        config = {**main, "ple_tables": qconfig}
+        assert not claims(config, ours)
+        assert resolved_quantization(int8_path, config) == {"fp8": "fp8", "modelopt": "modelopt_fp4"}[main["quant_method"]]
     bad = json.loads(json.dumps(qconfig))
     bad["config_groups"]["ple_int8"]["weights"]["num_bits"] = 4
     with pytest.raises(ValueError, match="num_bits"):

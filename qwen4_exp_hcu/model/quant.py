@@ -2,12 +2,15 @@
 
 Such checkpoints declare the tables in their `quantization_config`: a weight-only compressed-tensors
 `int-quantized` group (the HCU layout, beside the main model's groups), or, when the main model uses
-another method (`quant_method: fp8`, ...), a compressed-tensors config under `ple_tables` next to it.
-vLLM's compressed-tensors parser reads the PLE group as W8A8 and rejects it, so this method claims those
-checkpoints (for our architectures only, through vLLM's `override_quantization_method` hook) and builds
-**the main model's own vLLM config** from the rest: every main-model layer gets exactly the method and
-kernels vLLM gives that scheme, and the PLE layers read their INT8 shards themselves
-(`model.ple.PLEPlacement`). No scheme is re-implemented here.
+another method (`quant_method: fp8`, ModelOpt, ...), a compressed-tensors config under `ple_tables` next to it.
+* **compressed-tensors:** vLLM's parser reads the PLE group as W8A8 and rejects it. So this method claims those
+  checkpoints (for our architectures only, through vLLM's `override_quantization_method` hook) and hands
+  vLLM **the main model's own compressed-tensors config** without the PLE group.
+* **Any other method:** vLLM's own method takes the checkpoint. Its parser ignores the `ple_tables` entry,
+  and vLLM's own method resolution applies (e.g. ModelOpt `NVFP4` → `modelopt_fp4`).
+
+Either way every main-model layer gets exactly the method and kernels vLLM gives its scheme, and the PLE
+layers read their INT8 shards themselves (`model.ple.ple_table_format`). No scheme is re-implemented here.
 """
 
 from typing import Any
@@ -22,17 +25,18 @@ NAME = "qwen4_exp_hcu_ple_int8"
 
 
 def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
-    """A checkpoint of our model class that declares INT8 PLE tables (raises for another PLE scheme)."""
+    """A compressed-tensors checkpoint of our model class with a group of INT8 PLE tables (raises for
+    another PLE scheme, whatever the main method)."""
     from qwen4_exp_hcu.ple.int8_scheme import declares_int8_tables
 
     if not our_architectures().keys() & set(getattr(hf_config, "architectures", None) or []):
         return False
-    return declares_int8_tables(hf_quant_cfg)
+    return declares_int8_tables(hf_quant_cfg) and hf_quant_cfg.get("quant_method") == "compressed-tensors"
 
 
 @register_quantization_config(NAME)
 class PLEInt8Config(QuantizationConfig):
-    """Never instantiated: `from_config` returns the main model's config, of vLLM's own class."""
+    """Never instantiated: `from_config` returns the main model's compressed-tensors config, vLLM's own class."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:

@@ -149,9 +149,7 @@ def declares_int8_tables(quantization_config: dict | None) -> bool:
 
 
 def main_model_config(quantization_config: dict) -> dict:
-    """The config as the main model's own method reads it: without the PLE declaration (a copy)."""
-    if quantization_config.get("quant_method") != "compressed-tensors":
-        return {k: v for k, v in quantization_config.items() if k != PLE_KEY}
+    """A compressed-tensors config as the main model reads it: without the PLE group (a copy)."""
     ple = set(ple_group_names(quantization_config))
     groups = {k: v for k, v in (quantization_config.get("config_groups") or {}).items() if k not in ple}
     return {**quantization_config, "config_groups": groups}
