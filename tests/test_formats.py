@@ -85,6 +85,25 @@ def test_upstream_tables_load_and_equal_their_dequantized_rows(fmt):
     assert torch.equal(ours(hs, batch, states[0]), ref(hs, batch, states[1]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("host", [False, True], ids=["device", "pinned_host"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gpu_upstream_tables_look_up_exactly(fmt, host):
+    """The fused kernel on the accelerator, table on it or in pinned host memory: equal to the CPU layer
+    holding the dequantized rows."""
+    cfg = tiny_text_config(**NVFP4_CFG)
+    quantized, bf16 = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt)
+    ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, device="cuda", host_table=host, dtype=torch.float32)
+    ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
+    assert ours.table.weight.is_pinned() == host
+    ids = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    batch = PLEBatch.from_lengths(ids, [200, 100], [0, 2], [False, False])
+    state = PLEState.zeros(ref.state_shapes(), 3, torch.float32)
+    want = ref.lookup(batch, state)
+    got = ours.lookup(PLEBatch.from_lengths(ids.cuda(), [200, 100], [0, 2], [False, False]), PLEState.zeros(ref.state_shapes(), 3, torch.float32, "cuda"))
+    assert torch.equal(got.cpu(), want)
+
+
 def test_upstream_table_errors_name_the_tensor():
     cfg = tiny_text_config(**NVFP4_CFG)
     quantized, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), "nvfp4")
