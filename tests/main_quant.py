@@ -1,47 +1,59 @@
-"""Tiny checkpoints whose main model is quantized by compressed-tensors' own compressors (W8A8-INT8), and
-the weight-dequantized copy transformers runs as their oracle."""
+"""Tiny checkpoints whose main model is quantized by compressed-tensors' own compressors (W8A8-INT8,
+W4A16), and the weight-dequantized copy transformers runs as their oracle."""
 
 from pathlib import Path
 
 import torch
 
-W8A8_TARGETS = [  # the big linears; hyper-connections, routers, GDN input projections and PLE stay BF16
+MAIN_TARGETS = [  # the big linears; hyper-connections, routers, GDN input projections and PLE stay BF16
     r"re:.*self_attn\.(q|k|v|o)_proj$",
     r"re:.*shared_expert\.(gate|up|down)_proj$",
     r"re:.*linear_attn\.out_proj$",
 ]
 
 
+def _scheme(name: str):
+    """(weights args, activations args, compressed format) of a main-model scheme."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if name == "w8a8":  # int8 channel weights, dynamic per-token int8 activations
+        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        return weights, acts, "int-quantized"
+    if name == "w4a16":  # int4 weights in groups of 32, bf16 activations
+        return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32), None, "pack-quantized"
+    raise ValueError(name)
+
+
 @torch.no_grad()
-def quantize_main_w8a8(src: Path, dst: Path, dequantized: Path) -> Path:
-    """`dst`: SRC with W8A8-INT8 main linears (int8 channel weights, dynamic per-token int8 activations),
-    written by compressed-tensors' `ModelCompressor`; `dequantized`: the same weights as BF16 `q * scale`."""
+def quantize_main(src: Path, dst: Path, dequantized: Path, scheme: str = "w8a8") -> Path:
+    """`dst`: SRC with its main linears quantized by `scheme`, written by compressed-tensors'
+    `ModelCompressor`; `dequantized`: the same weights as BF16, as compressed-tensors' fake quantization
+    gives them."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    scheme = QuantizationScheme(targets=W8A8_TARGETS, weights=weights, input_activations=acts)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized"))
-    for module in model.modules():
+    weights, acts, fmt = _scheme(scheme)
+    config = QuantizationScheme(targets=MAIN_TARGETS, weights=weights, input_activations=acts)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": config}, format=fmt))
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
         w = module.weight.float()
-        scale, _ = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), weights)
-        module.weight_scale.copy_(scale.to(module.weight_scale.dtype))
-    # The oracle's weights: what the compressed int8 weights dequantize to (fake-quantized in place).
-    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    for name, module in model.named_modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            s = module.weight_scale.float()
-            q = torch.round(torch.clamp(module.weight.float() / s, -128, 127))
-            reference.get_submodule(name).weight.copy_((q * s).to(torch.bfloat16))
+        grouped = w.unflatten(-1, (-1, weights.group_size)) if weights.strategy == "group" else w[:, None, :]
+        scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), weights)
+        module.weight_scale.copy_(scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype))
+        # The oracle's weights: what the compressed weights dequantize to.
+        zero = getattr(module, "weight_zero_point", torch.zeros_like(module.weight_scale))
+        deq = fake_quantize(w, module.weight_scale.float(), zero, weights)
+        reference.get_submodule(name).weight.copy_(deq.to(torch.bfloat16))
     reference.save_pretrained(dequantized)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(dst)

