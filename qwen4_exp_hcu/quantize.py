@@ -1,11 +1,16 @@
-"""Quantize the PLE tables of a Qwen4Exp checkpoint (BF16, or upstream's FP8 / NVFP4 layouts) to INT8 rows.
+"""Quantize the PLE tables of a Qwen4Exp checkpoint (BF16, or upstream's FP8 / NVFP4 layouts) to INT8 rows,
+or to upstream's NVFP4 layout (4 bits + block scales: 72 B per row of 128 values against INT8's 130).
 
-    python -m qwen4_exp_hcu.quantize SRC DST
+    python -m qwen4_exp_hcu.quantize SRC DST [--format int8|nvfp4]
 
-Every `...ple_embedding.ngram_embedding.shard_{j}.weight` becomes int8 `weight` + bf16 `weight_scale` in the
-same file; every other tensor is copied byte for byte; config.json gains a compressed-tensors PLE group, merged
-into the main model's compressed-tensors `quantization_config` when it has one (kept as it is otherwise). Tensors are streamed one at a time (the PLE tables alone are ~90 GiB in BF16), and the
-output is built in a temporary folder beside DST and renamed into place only when complete.
+INT8: every `...ple_embedding.ngram_embedding.shard_{j}.weight` becomes int8 `weight` + bf16 `weight_scale`
+in the same file; config.json gains a compressed-tensors PLE group, merged into the main model's
+compressed-tensors `quantization_config` when it has one (kept as it is otherwise). NVFP4: every shard
+becomes packed e2m1 `weight` + e4m3 `weight_scale` + the table's fp32 `weight_scale_2` (one per table, from a
+first pass over its shards), declared by the text config's `ple_embedding_dtype: "nvfp4"` as upstream does.
+Every other tensor is copied byte for byte. Tensors are streamed one at a time (the PLE tables alone are
+~90 GiB in BF16), and the output is built in a temporary folder beside DST and renamed into place only
+when complete.
 """
 
 import argparse
@@ -24,7 +29,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
-from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
+from qwen4_exp_hcu.ple.formats import (
+    NVFP4_BLOCK,
+    dequantize_fp8_rows,
+    dequantize_nvfp4_rows,
+    nvfp4_tensor_scale,
+    quantize_nvfp4_rows,
+)
 from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
 
@@ -39,6 +50,7 @@ _DTYPE_BYTES = {
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 _SOURCE_TABLE_DTYPES = ("BF16", "F32", "F8_E4M3", "U8")  # BF16/F32 rows, upstream's FP8 and NVFP4 layouts
+FORMATS = ("int8", "nvfp4")
 
 
 def is_ple_table(tensor_name: str) -> bool:
@@ -49,6 +61,11 @@ def is_ple_table(tensor_name: str) -> bool:
 
 def _scale_name(weight_name: str) -> str:
     return f"{weight_name.removesuffix('weight')}{SCALE_SUFFIX}"
+
+
+def _table_of(shard_name: str) -> str:
+    """`...ngram_embedding.shard_{j}.weight` -> `...ngram_embedding`: the table a shard belongs to."""
+    return shard_name.rsplit(".shard_", 1)[0]
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -77,9 +94,10 @@ def _source_rows(f, name: str) -> torch.Tensor:
     return weight
 
 
-def _plan_file(f, progress: tqdm) -> list[_Entry]:
-    """Output tensors of one safetensors file; a PLE table expands to INT8 weight + bf16 row scale, and
-    the scales of an FP8/NVFP4 source table are replaced by that."""
+def _plan_file(f, progress: tqdm, tensor_scales: dict[str, torch.Tensor] | None = None) -> list[_Entry]:
+    """Output tensors of one safetensors file; a PLE table expands to INT8 weight + bf16 row scale (or, with
+    `tensor_scales` {table: fp32 scale}, NVFP4 packed weight + block scales + that scale), and the scales of
+    an FP8/NVFP4 source table are replaced by those."""
     entries, keys = [], set(f.keys())
     source_scales = {
         s for n in keys if is_ple_table(n) for s in (_scale_name(n), _scale_name(n) + "_2")
@@ -100,17 +118,31 @@ def _plan_file(f, progress: tqdm) -> list[_Entry]:
             raise ValueError(f"{missing[0]}: missing beside its {dtype} PLE table (expected in the same file)")
         width = shape[1] * (2 if dtype == "U8" else 1)
         stash: dict[str, torch.Tensor] = {}  # the scale waits here for the entry written right after its weight
+        if tensor_scales is None:
 
-        def weight(name=name, stash=stash):
-            try:
-                q, stash["scale"] = quantize_rows(_source_rows(f, name))
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
+            def weight(name=name, stash=stash):
+                try:
+                    q, stash["scale"] = quantize_rows(_source_rows(f, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from e
+                progress.update()
+                return q
+
+            entries.append(_Entry(name, "I8", [shape[0], width], weight))
+            entries.append(_Entry(_scale_name(name), "BF16", [shape[0], 1], lambda stash=stash: stash.pop("scale")))
+            continue
+        if width % NVFP4_BLOCK:
+            raise ValueError(f"{name}: NVFP4 rows hold blocks of {NVFP4_BLOCK} values; the row width {width} is not a multiple")
+        table_scale = tensor_scales[_table_of(name)]
+
+        def packed(name=name, stash=stash, table_scale=table_scale):
+            q, stash["scale"] = quantize_nvfp4_rows(_source_rows(f, name), table_scale)
             progress.update()
             return q
 
-        entries.append(_Entry(name, "I8", [shape[0], width], weight))
-        entries.append(_Entry(_scale_name(name), "BF16", [shape[0], 1], lambda stash=stash: stash.pop("scale")))
+        entries.append(_Entry(name, "U8", [shape[0], width // 2], packed))
+        entries.append(_Entry(_scale_name(name), "F8_E4M3", [shape[0], width // NVFP4_BLOCK], lambda stash=stash: stash.pop("scale")))
+        entries.append(_Entry(_scale_name(name) + "_2", "F32", [1], lambda table_scale=table_scale: table_scale))
     return entries
 
 
@@ -149,13 +181,17 @@ def _weight_files(src: Path) -> tuple[list[str], dict | None]:
     return files, None
 
 
-def _load_config(src: Path) -> dict:
-    """SRC's config with our PLE group merged into its quantization config (kept as it is otherwise)."""
+def _load_config(src: Path, fmt: str) -> dict:
+    """SRC's config declaring the tables in `fmt`: INT8 as our PLE group merged into its quantization config
+    (kept as it is otherwise), NVFP4 as the text config's `ple_embedding_dtype`, upstream's marker."""
     config = json.loads((src / CONFIG).read_text())
-    text = config.get("text_config") or {}
-    if "compression_config" in config or "quantization_config" in text:
+    text = config.get("text_config") or config  # multimodal checkpoints nest the text model's config
+    if "compression_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise ValueError(f"{src / CONFIG}: put the main model's quantization config at the top level as quantization_config")
-    config.pop("ple_embedding_dtype", None)  # upstream's FP8/NVFP4 table marker: the tables become INT8
+    text.pop("ple_embedding_dtype", None)  # upstream's FP8/NVFP4 table marker, replaced below
+    if fmt == "nvfp4":
+        text["ple_embedding_dtype"] = "nvfp4"
+        return config
     try:
         config["quantization_config"] = merge_ple_group(config.get("quantization_config"))
     except ValueError as e:
@@ -176,7 +212,17 @@ def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator
             shutil.copy2(p, dst / p.name)
 
 
-def _convert_weights(src: Path, files: list[str], out: Path) -> tuple[dict[str, str], int]:
+def _table_scales(handles, names) -> dict[str, torch.Tensor]:
+    """NVFP4's one fp32 scale per table, from its largest magnitude over all its shards (a first pass)."""
+    amax: dict[str, float] = {}
+    for f in handles:
+        for name in filter(is_ple_table, f.keys()):
+            peak = _source_rows(f, name).float().abs().max().item()
+            amax[_table_of(name)] = max(amax.get(_table_of(name), 0.0), peak)
+    return {table: nvfp4_tensor_scale(peak) for table, peak in amax.items()}
+
+
+def _convert_weights(src: Path, files: list[str], out: Path, fmt: str) -> tuple[dict[str, str], int]:
     """Write each safetensors file of SRC, converted, into `out`; returns the new weight map and total bytes."""
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(src / n, framework="pt")) for n in files]
@@ -190,30 +236,33 @@ def _convert_weights(src: Path, files: list[str], out: Path) -> tuple[dict[str, 
         if n_tables == 0:
             raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")
         weight_map, total = {}, 0
+        tensor_scales = _table_scales(handles, names) if fmt == "nvfp4" else None
         with tqdm(total=n_tables, desc="Quantizing PLE shards", unit="shard") as progress:
             for name, f in zip(files, handles):
-                entries = _plan_file(f, progress)
+                entries = _plan_file(f, progress, tensor_scales)
                 _write_safetensors(out / name, entries, f.metadata())
                 weight_map.update({e.name: name for e in entries})
                 total += sum(e.nbytes for e in entries)
     return weight_map, total
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Write the INT8-PLE copy of checkpoint SRC into DST (absent or empty)."""
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str = "int8") -> None:
+    """Write the copy of checkpoint SRC with its PLE tables in `fmt` (INT8 or NVFP4) into DST (absent or empty)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"PLE table format {fmt!r} is not one of {FORMATS}")
     src, dst = Path(src), Path(dst)
     if not (src / CONFIG).is_file():
         raise FileNotFoundError(f"{src} has no {CONFIG}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"DST {dst} exists and is not an empty folder; refusing to overwrite")
-    config = _load_config(src)
+    config = _load_config(src, fmt)
     files, index = _weight_files(src)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     tmp.mkdir()
     try:
-        weight_map, total = _convert_weights(src, files, tmp)
+        weight_map, total = _convert_weights(src, files, tmp, fmt)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if index is not None:
             index["metadata"] = {**index.get("metadata", {}), "total_size": total}
@@ -232,13 +281,14 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m qwen4_exp_hcu.quantize",
-        description="Quantize the PLE tables of a BF16 Qwen4Exp checkpoint to INT8 rows (compressed-tensors).",
+        description="Quantize the PLE tables of a Qwen4Exp checkpoint to INT8 rows (compressed-tensors) or NVFP4.",
     )
-    parser.add_argument("src", help="BF16 Hugging Face checkpoint folder")
+    parser.add_argument("src", help="Hugging Face checkpoint folder (PLE tables in BF16, FP8 or NVFP4)")
     parser.add_argument("dst", help="output folder (must not exist, or be empty)")
+    parser.add_argument("--format", choices=FORMATS, default="int8", help="the PLE tables' format in DST")
     args = parser.parse_args(argv)
     try:
-        quantize_checkpoint(args.src, args.dst)
+        quantize_checkpoint(args.src, args.dst, args.format)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 

@@ -68,42 +68,34 @@ def quantize_main(src: Path, dst: Path, dequantized: Path, scheme: str = "w8a8")
 
 @torch.no_grad()
 def upstream_table_checkpoints(src: Path, dst: Path, oracle: Path, fmt: str) -> Path:
-    """`dst`: SRC with its PLE tables in upstream vLLM's `fmt` layout (`fp8`: e4m3 rows + one fp32
-    `weight_scale`; `nvfp4`: packed e2m1 + e4m3 block `weight_scale` + fp32 `weight_scale_2`, repeated in
-    every shard) declared by `ple_embedding_dtype`; `oracle`: SRC with the tables' dequantized values."""
+    """`dst`: SRC with its PLE tables in upstream vLLM's `fmt` layout, declared by `ple_embedding_dtype`:
+    `fp8` (e4m3 rows + one fp32 `weight_scale`, written here) or `nvfp4` (packed e2m1 + e4m3 block
+    `weight_scale` + fp32 `weight_scale_2`, written by our quantizer); `oracle`: SRC with the tables'
+    dequantized values."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, dequantize_fp8_rows, dequantize_nvfp4_rows
+    from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
+    from qwen4_exp_hcu.quantize import quantize_checkpoint
 
-    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     tensors = load_file(src / "model.safetensors")
     tables = [k for k in tensors if ".ngram_embedding.shard_" in k and k.endswith(".weight")]
-    amax = max(tensors[k].float().abs().max() for k in tables)
-    quantized, dequantized = dict(tensors), dict(tensors)
-    for name in tables:
-        w = tensors[name].float()
-        if fmt == "fp8":
-            scale = (amax / 448).reshape(1)
-            q = (w / scale).to(torch.float8_e4m3fn)
-            quantized[name], quantized[name + "_scale"] = q, scale
-            dequantized[name] = dequantize_fp8_rows(q, scale)
-        else:
-            scale_2 = (amax / (448 * 6)).reshape(1)
-            blocks = w.unflatten(-1, (-1, NVFP4_BLOCK))
-            block = (blocks.abs().amax(-1) / 6 / scale_2).clamp_min(2**-9).to(torch.float8_e4m3fn)
-            x = blocks / (block.float() * scale_2)[..., None]
-            code = (x.abs()[..., None] - e2m1).abs().argmin(-1) | ((x < 0).long() << 3)  # nearest e2m1
-            code = code.flatten(-2).to(torch.uint8)
-            packed = code[:, 0::2] | (code[:, 1::2] << 4)
-            quantized[name], quantized[name + "_scale"], quantized[name + "_scale_2"] = packed, block, scale_2
-            dequantized[name] = dequantize_nvfp4_rows(packed, block, scale_2)
-    for path, data in ((dst, quantized), (oracle, dequantized)):
-        shutil.copytree(src, path)
-        save_file(data, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["ple_embedding_dtype"] = {"fp8": "float8_e4m3fn", "nvfp4": "nvfp4"}[fmt]
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "nvfp4":
+        quantize_checkpoint(src, dst, "nvfp4")
+        q = load_file(dst / "model.safetensors")
+        dequantized = {**tensors, **{k: dequantize_nvfp4_rows(q[k], q[k + "_scale"], q[k + "_scale_2"]) for k in tables}}
+    else:
+        amax = max(tensors[k].float().abs().max() for k in tables)
+        scale = (amax / 448).reshape(1)
+        quantized = {**tensors, **{k: (tensors[k].float() / scale).to(torch.float8_e4m3fn) for k in tables}}
+        quantized.update({k + "_scale": scale.clone() for k in tables})
+        dequantized = {**tensors, **{k: dequantize_fp8_rows(quantized[k], scale) for k in tables}}
+        shutil.copytree(src, dst)
+        save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, "ple_embedding_dtype": "float8_e4m3fn"}, indent=2))
+    shutil.copytree(src, oracle)
+    save_file(dequantized, oracle / "model.safetensors", metadata={"format": "pt"})
     return dst

@@ -276,3 +276,33 @@ def test_upstream_fp8_and_nvfp4_tables_become_int8(tmp_path, fmt):
     got, want = (load_file(tmp_path / d / "model.safetensors") for d in ("int8", "int8-from-deq"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert "ple_embedding_dtype" not in json.loads((tmp_path / "int8" / "config.json").read_text())
+
+
+def test_nvfp4_output_is_upstreams_layout(tmp_path):
+    """`--format nvfp4`: packed e2m1 rows, e4m3 block scales and one fp32 scale per table (the same in
+    each of its shards, from the table's largest value); no quantization config is added, the text config
+    declares `ple_embedding_dtype: nvfp4`; the rows dequantize to what `quantize_nvfp4_rows` gives and
+    stay within NVFP4's error of the source."""
+    from qwen4_exp_hcu.ple.formats import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
+    from qwen4_exp_hcu.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "bf16")
+    main([str(src), str(tmp_path / "nvfp4"), "--format", "nvfp4"])
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "nvfp4" / "model.safetensors")
+    config = json.loads((tmp_path / "nvfp4" / "config.json").read_text())
+    assert config["ple_embedding_dtype"] == "nvfp4" and "quantization_config" not in config
+    tables = {}
+    for name in (k for k in before if k.endswith(".weight") and ".ngram_embedding.shard_" in k):
+        tables.setdefault(name.rsplit(".shard_", 1)[0], []).append(name)
+    for shards in tables.values():
+        scale = nvfp4_tensor_scale(max(before[n].float().abs().max().item() for n in shards))
+        for name in shards:
+            packed, block = quantize_nvfp4_rows(before[name], scale)
+            assert after[name].dtype == torch.uint8 and torch.equal(after[name], packed)
+            assert torch.equal(after[name + "_scale"].view(torch.uint8), block.view(torch.uint8))
+            assert torch.equal(after[name + "_scale_2"], scale)
+            rows = dequantize_nvfp4_rows(after[name], after[name + "_scale"], after[name + "_scale_2"]).float()
+            err = (rows - before[name].float()).abs().mean() / before[name].float().abs().mean()
+            assert err < 0.15, err
+    others = [k for k in before if ".ngram_embedding." not in k]
+    assert all(torch.equal(before[k], after[k]) for k in others)

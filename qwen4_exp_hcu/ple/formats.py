@@ -5,7 +5,7 @@
   one e4m3 scale per 16 values (`weight_scale` `[rows, d/16]`) and one fp32 `weight_scale_2` for the
   tensor: `w = (e2m1 * block_scale) * weight_scale_2`, in that order.
 Every dequantization ends with one fp32 -> bf16 rounding (to nearest even), which the fused kernel
-reproduces bit for bit.
+reproduces bit for bit. `quantize_nvfp4_rows` writes the NVFP4 layout (the quantizer's 4-bit output).
 """
 
 from __future__ import annotations
@@ -49,3 +49,23 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_nvfp4_rows(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     values = unpack_e2m1(packed) * block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
     return (values * global_scale.float().reshape(())).to(torch.bfloat16)
+
+
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+
+
+def nvfp4_tensor_scale(amax: float) -> torch.Tensor:
+    """fp32 `weight_scale_2` for a table whose largest magnitude is `amax`: the largest block scale fits e4m3."""
+    return torch.tensor([max(amax, 1e-12) / (E4M3_MAX * E2M1_MAX)], dtype=torch.float32)
+
+
+def quantize_nvfp4_rows(rows: torch.Tensor, tensor_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, d] rows -> (packed e2m1 uint8 [n, d/2], e4m3 block scales [n, d/16]): each block scaled so its
+    largest magnitude maps to e2m1's 6, every value rounded to the nearest e2m1 code (ties to the lower)."""
+    blocks = rows.float().unflatten(-1, (-1, NVFP4_BLOCK))
+    g = tensor_scale.float().reshape(())
+    block_scale = (blocks.abs().amax(-1) / E2M1_MAX / g).clamp(2**-9, E4M3_MAX).to(torch.float8_e4m3fn)
+    x = blocks / (block_scale.float() * g)[..., None]
+    code = (x.abs()[..., None] - _E2M1.to(rows.device)).abs().argmin(-1) | ((x < 0).long() << 3)
+    code = code.flatten(-2).to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4), block_scale
