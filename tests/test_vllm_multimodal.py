@@ -68,6 +68,7 @@ def start_engine(path, **kwargs):
             additional_config={"gdn_prefill_backend": "triton"},
             compilation_config={"custom_ops": ["none"]},
             kv_cache_memory_bytes=256 << 20,
+            mm_encoder_attn_backend="TORCH_SDPA",  # the vision tower's attention without FlashAttention
         )
     return LLM(model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, seed=0, **kwargs)
 
