@@ -36,4 +36,7 @@ def our_architectures() -> dict[str, str]:
     torchvision, multimodal checkpoints are served by the text class (text prompts only)."""
     if override_disabled():
         return {ALIAS: TEXT_CLASS}
-    return {ALIAS: TEXT_CLASS, **ARCHITECTURES, **({} if vision_available() else {"Qwen4ExpForConditionalGeneration": TEXT_CLASS})}
+    ours = {ALIAS: TEXT_CLASS, **ARCHITECTURES}
+    if not vision_available():
+        ours["Qwen4ExpForConditionalGeneration"] = TEXT_CLASS
+    return ours
