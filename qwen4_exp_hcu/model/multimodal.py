@@ -22,7 +22,7 @@ from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLMultiModalProcessor,
     Qwen3VLProcessingInfo,
 )
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.model_executor.models.utils import StageMissingLayer, WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from .model import Qwen4ExpForCausalLM, _join
@@ -84,7 +84,22 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
         return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        """One pass over the checkpoint, in whatever order its files hold the tensors: vision tensors go to
+        the tower as they come (skipped without one), the text model's stream into one `load_weights` call,
+        which checks its PLE tables complete once, at the end."""
+        loaded: set[str] = set()
+        tower = not isinstance(self.visual, StageMissingLayer)
+
+        def text_weights():
+            for name, tensor in self.hf_to_vllm_mapper.apply(weights):
+                part, _, rest = name.partition(".")
+                if part == "language_model":
+                    yield rest, tensor
+                elif tower:
+                    loaded.update(f"visual.{n}" for n in self.visual.load_weights([(rest, tensor)]))
+
+        loaded.update(f"language_model.{n}" for n in self.language_model.load_weights(text_weights()))
+        return loaded
 
     def ple_storage(self) -> list[dict]:
         return self.language_model.ple_storage()
