@@ -281,6 +281,31 @@ def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_t
     return {"tokens": seq[len(expanded) :], "logprobs": torch.stack(rows), "prompt": expanded}
 
 
+@torch.no_grad()
+def reference_greedy_video(path: str | Path, prompt: list[int], frames, max_new_tokens: int) -> dict:
+    """`reference_greedy` for a video: `prompt` as vLLM's processor expanded it (each frame group wrapped
+    in vision start/end, its placeholders repeated); transformers gets the same frames through the
+    checkpoint's video processor (no frame sampling) and `mm_token_type_ids` 2 on the placeholders."""
+    from transformers import AutoVideoProcessor
+
+    model = _reference_model(path)
+    pixels = AutoVideoProcessor.from_pretrained(path)(videos=[frames], do_sample_frames=False, return_tensors="pt")
+    pad = model.config.video_token_id
+    seq, rows = list(prompt), []
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq])
+        logits = model(
+            input_ids=ids,
+            pixel_values_videos=pixels["pixel_values_videos"].float(),
+            video_grid_thw=pixels["video_grid_thw"],
+            mm_token_type_ids=(ids == pad).int() * 2,
+            use_cache=False,
+        ).logits[0, -1]
+        rows.append(logits.log_softmax(-1))
+        seq.append(int(logits.argmax()))
+    return {"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output directory (the INT8 checkpoint when --int8 is given)")

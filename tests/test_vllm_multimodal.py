@@ -17,7 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.env import vision_available
-from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy, reference_greedy_image
+from qwen4_exp_hcu.tiny import (
+    dequantized_checkpoint,
+    make_tiny_int8_checkpoint,
+    reference_greedy,
+    reference_greedy_image,
+    reference_greedy_video,
+)
 from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from vllm_inproc import load
 
@@ -77,12 +83,14 @@ def start_engine(path, **kwargs):
     return LLM(model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, seed=0, **kwargs)
 
 
-def run(llm, requests) -> list[dict]:
+def run(llm, requests, prompts: list | None = None) -> list[dict]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5, ignore_eos=True)
     outs = llm.generate(requests, params, use_tqdm=False)
     result = [{"tokens": list(o.outputs[0].token_ids), "logprobs": o.outputs[0].logprobs} for o in outs]
+    if prompts is not None:
+        prompts.extend(list(o.prompt_token_ids) for o in outs)  # as vLLM's processor expanded them
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -179,3 +187,22 @@ def test_text_positions_for_image_tokens_are_caught(checkpoints, monkeypatch):
     outputs = run(llm, [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img in prompts])
     with pytest.raises(AssertionError):
         assert_matches(outputs, references)
+
+
+@needs_vision
+def test_video_prompt_matches_transformers(checkpoints):
+    """Four frames (two temporal groups): vLLM's expansion of the prompt, its video grid and M-RoPE
+    positions against transformers on the same frames."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoints["int8"])
+    import numpy as np
+
+    frames = np.stack([np.asarray(gradient(t % 2 == 1, 64)) for t in range(4)])  # [frames, H, W, RGB]
+    meta = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "do_sample_frames": False}
+    prompt = [5, config.vision_start_token_id, config.video_token_id, config.vision_end_token_id, 17, 42]
+    llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 0, "video": 1})
+    expanded: list = []
+    outputs = run(llm, [{"prompt_token_ids": prompt, "multi_modal_data": {"video": (frames, meta)}}], expanded)
+    assert expanded[0].count(config.video_token_id) == 8  # 2 groups of 2 frames, 4 tokens each
+    assert_matches(outputs, [reference_greedy_video(checkpoints["oracle"], expanded[0], frames, MAX_NEW_TOKENS)])
