@@ -40,6 +40,7 @@ from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
 
 CONFIG = "config.json"
+MODELOPT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
 # Weights in pickle formats would contradict (and could shadow) the quantized safetensors: never copied.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -192,8 +193,11 @@ def _load_config(src: Path, fmt: str) -> dict:
     if fmt == "nvfp4":
         text["ple_embedding_dtype"] = "nvfp4"
         return config
+    main = config.get("quantization_config")
+    if main is None and (src / MODELOPT_CONFIG).is_file():  # ModelOpt <= 0.29 keeps it beside config.json
+        main = json.loads((src / MODELOPT_CONFIG).read_text())  # as vLLM reads it when config.json has none
     try:
-        config["quantization_config"] = merge_ple_group(config.get("quantization_config"))
+        config["quantization_config"] = merge_ple_group(main)
     except ValueError as e:
         raise ValueError(f"{src / CONFIG}: {e}") from None
     return config

@@ -254,6 +254,21 @@ def test_other_main_methods_keep_their_config_and_gain_a_ple_entry(tmp_path):
     assert written == {**fp8, "ple_tables": ple_quantization_config()}
 
 
+# ModelOpt <= 0.29 writes its config only to hf_quant_config.json (vLLM reads it when config.json has none)
+MODELOPT_LEGACY = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                   "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}  # fmt: skip
+
+
+def test_modelopt_config_beside_config_json_is_carried_into_it(tmp_path):
+    """Writing a quantization_config would hide hf_quant_config.json from vLLM: its content goes in too."""
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
+    (src / "hf_quant_config.json").write_text(json.dumps(MODELOPT_LEGACY))
+    main([str(src), str(tmp_path / "dst")])
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert written == {**MODELOPT_LEGACY, "ple_tables": ple_quantization_config()}
+    assert json.loads((tmp_path / "dst" / "hf_quant_config.json").read_text()) == MODELOPT_LEGACY
+
+
 def test_refuses_a_checkpoint_whose_tables_are_already_declared(tmp_path, capsys):
     src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
     (src / "config.json").write_text(json.dumps({"quantization_config": ple_quantization_config()}))

@@ -168,13 +168,16 @@ def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(vl
     main = PLEInt8Config.from_config(mixed)  # vLLM's own compressed-tensors config, without the PLE group
     assert type(main).__name__ == "CompressedTensorsConfig" and list(main.target_scheme_map) == ["Linear"]
     # beside another method (`ple_tables`): vLLM's own method and its own resolution take the checkpoint
-    for main in (
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-        {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    modelopt_legacy = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                       "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}  # fmt: skip
+    for main, method in (
+        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}, "modelopt_fp4"),
+        (modelopt_legacy, "modelopt_fp4"),  # hf_quant_config.json's layout, carried into config.json by the quantizer
     ):
         config = {**main, "ple_tables": qconfig}
         assert not claims(config, ours)
-        assert resolved_quantization(int8_path, config) == {"fp8": "fp8", "modelopt": "modelopt_fp4"}[main["quant_method"]]
+        assert resolved_quantization(int8_path, config) == method
     bad = json.loads(json.dumps(qconfig))
     bad["config_groups"]["ple_int8"]["weights"]["num_bits"] = 4
     with pytest.raises(ValueError, match="num_bits"):
