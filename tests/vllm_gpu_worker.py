@@ -27,13 +27,14 @@ MODES = {
     ),
     "eager": ({}, {"enforce_eager": True}),
 }
-# Settings that run on every vLLM 0.33 GPU install, including the Python-only engine of ../shared/gpu-vllm.
-PORTABLE = {"attention_config": {"backend": "TRITON_ATTN"}, "additional_config": {"gdn_prefill_backend": "triton"}}
 
 
 def engine_kwargs(mode: str) -> dict:
-    kwargs = {**PORTABLE, **MODES[mode][1]}
-    kwargs["compilation_config"] = {"custom_ops": ["none"], **kwargs.get("compilation_config", {})}
+    """The portable GPU settings with the mode's own (its compilation settings added to them)."""
+    from scenarios import GPU_ENGINE
+
+    kwargs = {**GPU_ENGINE, **MODES[mode][1]}
+    kwargs["compilation_config"] = {**GPU_ENGINE["compilation_config"], **kwargs["compilation_config"]}
     return kwargs
 
 
@@ -88,7 +89,6 @@ def main() -> None:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=4,
         gpu_memory_utilization=0.1,
-        kv_cache_memory_bytes=256 << 20,  # fixed: several engines share the GPU in the test
         seed=0,
         **engine_kwargs(args.mode),
     )
