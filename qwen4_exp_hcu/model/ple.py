@@ -202,9 +202,9 @@ _STEP_BATCHES = _StepBatches()
 
 
 def _pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
-    """PLEBatch from the PLE short-conv metadata (no speculation this step): decodes (one token each)
-    before prefills, each part's slots and flags kept separately."""
-    if getattr(metadata, "spec_sequence_masks", None) is not None:
+    """PLEBatch from the PLE short-conv metadata. Without speculation this step it orders decodes (one
+    token each) before prefills and keeps each part's slots and flags separately."""
+    if metadata.spec_sequence_masks is not None:
         return _pack_speculative(metadata, input_ids)
     device = input_ids.device
     d, p = metadata.num_decodes, metadata.num_prefills
@@ -240,7 +240,7 @@ def _pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:
         pick(metadata.has_initial_states_p, rank(prefill), p) if p else False,
     )
     accepted = torch.where(spec, pick(metadata.num_accepted_tokens.long(), rank(spec), n_spec), 1)
-    return PLEBatch(input_ids, qsl, slots, initial.bool(), _dp_max_tokens(), verify=spec, num_accepted=accepted)
+    return PLEBatch(input_ids, qsl, slots, initial, _dp_max_tokens(), verify=spec, num_accepted=accepted)
 
 
 def _dp_max_tokens() -> int | None:
@@ -323,7 +323,7 @@ class PLEBlock(nn.Module, MambaBase):
         across-DP ETP still looks up (one padding request holding every token, EOS context), because the
         other DP ranks' lookups need this rank's collectives. None when there is nothing to do."""
         metadata = get_forward_context().attn_metadata
-        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills + getattr(m, "num_spec_decodes", 0):
+        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills + m.num_spec_decodes:
             ngram, conv = self.kv_cache
             return _STEP_BATCHES.get(m, lambda m: _pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv), True
         if not self.layer.etp.across_dp:

@@ -48,7 +48,7 @@ def _history(window: torch.Tensor, chunk: torch.Tensor, qsl: torch.Tensor, req: 
     return torch.where((j >= 0).view(*j.shape, *[1] * (chunk.dim() - 1)), from_chunk, from_window)
 
 
-def _read_state(stored: torch.Tensor, batch: PLEBatch, length: int, fill) -> torch.Tensor:
+def _current_window(stored: torch.Tensor, batch: PLEBatch, length: int, fill) -> torch.Tensor:
     """Each request's current `length` entries of its slot: from offset num_accepted - 1 (speculation),
     `fill` for new requests and padding."""
     slots = batch.slot_ids.clamp(0, stored.shape[0] - 1)
@@ -58,7 +58,7 @@ def _read_state(stored: torch.Tensor, batch: PLEBatch, length: int, fill) -> tor
     return torch.where(live, rows, fill)
 
 
-def _write_state(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, chunk: torch.Tensor) -> None:
+def _store_window(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, chunk: torch.Tensor) -> None:
     """Store each request's tail of (window ++ chunk) in its slot: the last `length` entries, or, for a
     request that verifies k drafts, the last `length + k` (the window after each of its positions)."""
     qsl, B, L = batch.query_start_loc.long(), batch.num_requests, window.shape[1]
@@ -136,7 +136,7 @@ class PLELayer(nn.Module):
         return state_shapes(self._config, num_speculative_tokens)
 
     def _request_context(self, batch: PLEBatch, state: PLEState) -> torch.Tensor:
-        return _read_state(state.ngram, batch, self.spec.context_len, self.spec.eos_token_id)
+        return _current_window(state.ngram, batch, self.spec.context_len, self.spec.eos_token_id)
 
     def check_inputs(self, hidden_states: torch.Tensor, batch: PLEBatch, state: PLEState) -> None:
         """Shape/dtype/device errors always; value checks only for CPU tensors (no host syncs on accelerators)."""
@@ -188,7 +188,7 @@ class PLELayer(nn.Module):
         """Causal depthwise conv, kernel K, dilation N, over (window ++ chunk) of each request; updates the window."""
         T, B, N = x.shape[0], batch.num_requests, self.spec.ngram_size
         qsl = batch.query_start_loc.long()
-        window = _read_state(conv_state, batch, self.state_len, 0)  # [B, L, C]
+        window = _current_window(conv_state, batch, self.state_len, 0)  # [B, L, C]
         pos = torch.arange(T, device=x.device)
         req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(max(B - 1, 0))
         i = pos - qsl[req]
@@ -196,7 +196,7 @@ class PLELayer(nn.Module):
         acc = torch.zeros_like(x)
         for k in range(self.conv_size):
             acc = acc + _history(window, x, qsl, req, i - (self.conv_size - 1 - k) * N) * weight[:, k]
-        _write_state(conv_state, batch, window, x)
+        _store_window(conv_state, batch, window, x)
         return F.silu(acc)
 
     def forward(
@@ -208,7 +208,7 @@ class PLELayer(nn.Module):
         self.check_inputs(hidden_states, batch, state)
         if embeddings is None:
             embeddings = self.lookup(batch, state)
-        _write_state(state.ngram, batch, self._request_context(batch, state), batch.input_ids)
+        _store_window(state.ngram, batch, self._request_context(batch, state), batch.input_ids)
 
         e = embeddings.to(hidden_states.dtype)
         T = hidden_states.shape[0]
