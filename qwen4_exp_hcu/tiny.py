@@ -232,23 +232,27 @@ def _reference_model(path: str | Path):
     return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def _greedy(model, prompt: list[int], max_new_tokens: int, mm_token: int | None = None, mm_type: int = 1, **inputs) -> dict:
+    """Greedy steps, each re-running the whole sequence without a cache and never stopping at EOS (like
+    vLLM's `ignore_eos`): the new tokens and their `[max_new_tokens, vocab]` log-probabilities. `mm_token`
+    marks multimodal placeholders (`mm_token_type_ids` = `mm_type` there: 1 image, 2 video)."""
+    seq, rows = list(prompt), []
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq])
+        if mm_token is not None:
+            inputs["mm_token_type_ids"] = (ids == mm_token).int() * mm_type
+        logits = model(input_ids=ids, use_cache=False, **inputs).logits[0, -1]
+        rows.append(logits.log_softmax(-1))
+        seq.append(int(logits.argmax()))
+    return {"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)}
+
+
 @torch.no_grad()
 def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-    """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle).
-
-    Every step re-runs the whole sequence without a cache and never stops or masks at EOS (like vLLM's
-    `ignore_eos`). Returns per prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities.
-    """
+    """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle): per
+    prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities."""
     model = _reference_model(path)
-    results = []
-    for prompt in prompts:
-        seq, rows = list(prompt), []
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
-            rows.append(logits.log_softmax(-1))
-            seq.append(int(logits.argmax()))
-        results.append({"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)})
-    return results
+    return [_greedy(model, prompt, max_new_tokens) for prompt in prompts]
 
 
 @torch.no_grad()
@@ -261,24 +265,15 @@ def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_t
 
     model = _reference_model(path)
     pixels = AutoImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
-    grid = pixels["image_grid_thw"]
     pad = model.config.image_token_id
-    n_image = int(grid.prod()) // model.config.vision_config.spatial_merge_size**2
+    n_image = int(pixels["image_grid_thw"].prod()) // model.config.vision_config.spatial_merge_size**2
     i = prompt.index(pad)
-    seq, rows = prompt[:i] + [pad] * n_image + prompt[i + 1 :], []
-    expanded = list(seq)
-    for _ in range(max_new_tokens):
-        ids = torch.tensor([seq])
-        logits = model(
-            input_ids=ids,
-            pixel_values=pixels["pixel_values"].float(),
-            image_grid_thw=grid,
-            mm_token_type_ids=(ids == pad).int(),
-            use_cache=False,
-        ).logits[0, -1]
-        rows.append(logits.log_softmax(-1))
-        seq.append(int(logits.argmax()))
-    return {"tokens": seq[len(expanded) :], "logprobs": torch.stack(rows), "prompt": expanded}
+    expanded = prompt[:i] + [pad] * n_image + prompt[i + 1 :]
+    result = _greedy(
+        model, expanded, max_new_tokens, mm_token=pad,
+        pixel_values=pixels["pixel_values"].float(), image_grid_thw=pixels["image_grid_thw"],
+    )  # fmt: skip
+    return {**result, "prompt": expanded}
 
 
 @torch.no_grad()
@@ -290,20 +285,10 @@ def reference_greedy_video(path: str | Path, prompt: list[int], frames, max_new_
 
     model = _reference_model(path)
     pixels = AutoVideoProcessor.from_pretrained(path)(videos=[frames], do_sample_frames=False, return_tensors="pt")
-    pad = model.config.video_token_id
-    seq, rows = list(prompt), []
-    for _ in range(max_new_tokens):
-        ids = torch.tensor([seq])
-        logits = model(
-            input_ids=ids,
-            pixel_values_videos=pixels["pixel_values_videos"].float(),
-            video_grid_thw=pixels["video_grid_thw"],
-            mm_token_type_ids=(ids == pad).int() * 2,
-            use_cache=False,
-        ).logits[0, -1]
-        rows.append(logits.log_softmax(-1))
-        seq.append(int(logits.argmax()))
-    return {"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)}
+    return _greedy(
+        model, prompt, max_new_tokens, mm_token=model.config.video_token_id, mm_type=2,
+        pixel_values_videos=pixels["pixel_values_videos"].float(), video_grid_thw=pixels["video_grid_thw"],
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

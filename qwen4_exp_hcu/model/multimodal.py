@@ -101,9 +101,6 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
         loaded.update(f"language_model.{n}" for n in self.language_model.load_weights(text_weights()))
         return loaded
 
-    def ple_storage(self) -> list[dict]:
-        return self.language_model.ple_storage()
-
     # The state layouts are the text model's.
     get_mamba_state_dtype_from_config = Qwen4ExpForCausalLM.get_mamba_state_dtype_from_config
     get_mamba_state_shape_from_config = Qwen4ExpForCausalLM.get_mamba_state_shape_from_config
