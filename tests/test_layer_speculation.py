@@ -2,7 +2,8 @@
 
 The reference runs the same layer without speculation on the accepted tokens only, one by one. Every
 accepted position's output and the state after each round (read at the accepted length) must equal it
-bit for bit (bf16, the serving dtype, whose CPU matmuls give a row the same bits in any batch).
+bit for bit. A row's matmul result may depend on how many rows share the call, so the layer's projections,
+table rows and hidden states hold small integers: every matmul is then exact in fp32, in any batch.
 """
 
 import pytest
@@ -15,9 +16,12 @@ from ple_configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
 CFG = tiny_text_config(ngram_size=3)
-_, LAYER = make_pair(CFG, quantized=True)
-LAYER = LAYER.to(torch.bfloat16)
+_, LAYER = make_pair(CFG)
 C = CFG.hidden_size * CFG.hc_count
+_INTS = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for weight in (LAYER.key_proj.weight, LAYER.value_proj.weight, LAYER.table.weight):
+        weight.copy_(torch.randint(-2, 3, weight.shape, generator=_INTS))
 SLOTS = 4
 
 
@@ -36,9 +40,9 @@ def current(state: PLEState, slot: int, accepted: int) -> tuple[torch.Tensor, to
 def test_verify_then_accept_equals_running_the_accepted_tokens_one_by_one(data, extra, num_requests):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     slots = data.draw(st.permutations(range(SLOTS)))[:num_requests]
-    spec = PLEState.zeros(LAYER.state_shapes(extra), SLOTS, torch.bfloat16)
-    seq = PLEState.zeros(LAYER.state_shapes(), SLOTS, torch.bfloat16)
-    hidden = lambda n: torch.randn(n, C, generator=gen).to(torch.bfloat16)  # noqa: E731
+    spec = PLEState.zeros(LAYER.state_shapes(extra), SLOTS, torch.float32)
+    seq = PLEState.zeros(LAYER.state_shapes(), SLOTS, torch.float32)
+    hidden = lambda n: torch.randint(-3, 4, (n, C), generator=gen).float()  # noqa: E731
 
     # prefill (packed, both states), then rounds of verify + accept
     prompts = [tokens(data, data.draw(st.integers(1, 7))) for _ in slots]
@@ -70,9 +74,9 @@ def test_verify_then_accept_equals_running_the_accepted_tokens_one_by_one(data, 
 def test_rejected_drafts_would_be_visible_without_num_accepted():
     """The comparison above is sensitive: reading the verified state from offset 0 (ignoring what was
     accepted) gives a different window as soon as a draft is accepted or rejected."""
-    spec = PLEState.zeros(LAYER.state_shapes(2), 1, torch.bfloat16)
+    spec = PLEState.zeros(LAYER.state_shapes(2), 1, torch.float32)
     gen = torch.Generator().manual_seed(0)
-    hs = torch.randn(4, C, generator=gen).to(torch.bfloat16)
+    hs = torch.randint(-3, 4, (4, C), generator=gen).float()
     LAYER(hs, PLEBatch.from_lengths(torch.tensor([3, 4, 5, 50]), [4], [0], [False]), spec)
     LAYER(hs[:3], PLEBatch.from_lengths(torch.tensor([5, 96, 4]), [3], [0], [True], verify=[True]), spec)
     assert not torch.equal(current(spec, 0, 1)[1], current(spec, 0, 2)[1])
@@ -80,8 +84,8 @@ def test_rejected_drafts_would_be_visible_without_num_accepted():
 
 
 def test_speculation_inputs_are_checked():
-    state = PLEState.zeros(LAYER.state_shapes(2), 1, torch.bfloat16)
-    hs = torch.zeros(4, C, dtype=torch.bfloat16)
+    state = PLEState.zeros(LAYER.state_shapes(2), 1, torch.float32)
+    hs = torch.zeros(4, C)
     ids = torch.tensor([3, 4, 5, 50])
     with pytest.raises(ValueError, match="num_accepted"):
         LAYER(hs[:1], PLEBatch.from_lengths(ids[:1], [1], [0], [True], num_accepted=[4]), state)
