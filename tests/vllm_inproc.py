@@ -15,12 +15,16 @@ def engine_config(path, **kwargs):
 
 def build_model(path, **kwargs):
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = engine_config(path, **kwargs)
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
-        return initialize_model(vllm_config=config, model_config=config.model_config), config
+    try:
+        with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+            return initialize_model(vllm_config=config, model_config=config.model_config), config
+    finally:  # vLLM caches rotary embeddings process-wide: keep these CPU ones from a later in-process GPU engine
+        rotary_embedding._ROPE_DICT.clear()
 
 
 def load(path, edit=None, **kwargs):
