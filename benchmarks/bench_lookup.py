@@ -27,6 +27,7 @@ from triton.testing import do_bench
 from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.table import PLETable
 
@@ -188,7 +189,10 @@ def main() -> None:
         "fused, sorted ids (ours, default)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **PLETable.HOST_TUNING),
         "fused, sorted + dedup (ours; host sync)": dedup,
         "fused, sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
-            ids, w_host, s_host, 0, out, cache=cache, **PLETable.HOST_TUNING
+            ids, w_host, s_host, 0, out, cache=hot.tensors, **PLETable.HOST_TUNING
+        ),
+        "fused, sorted + hot rows from traffic (serving: counted every lookup)": lambda ids: (
+            traffic.observe(ids), gather_dequant(ids, w_host, s_host, 0, out, cache=traffic.tensors, **PLETable.HOST_TUNING)
         ),
         "earlier impl (F.embedding on UVA)": earlier,
         "vLLM-style (row copy, then dequant)": vllm_style,
@@ -209,7 +213,8 @@ def main() -> None:
         )
 
     results = {}
-    cache = None
+    hot = HotRows(w_host, s_host, 0, R, args.cache_rows, "cuda", observe=False)
+    traffic = HotRows(w_host, s_host, 0, R, args.cache_rows, "cuda", observe=True)
     calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=T)
     for source, tokens in token_streams(T, gen).items():
         tok = tokens.cuda()
@@ -219,9 +224,11 @@ def main() -> None:
         cq = torch.arange(0, calib.numel() + 1, 1024, device="cuda", dtype=torch.int32)
         cctx = torch.full((cq.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
         calib_ids = torch.randint(0, R, (calib.numel(), H), device="cuda") if source == "uniform" else ngram_hash(spec, calib, cq, cctx)
-        table.cache_hot_rows(calib_ids, args.cache_rows)
-        cache = table.cache
-        hit_rate = float((cache[0][ids.flatten()] >= 0).float().mean())
+        hot.fill(calib_ids)
+        traffic.counts.zero_()
+        traffic.observe(calib_ids)  # served traffic so far: the calibration stream, refreshed into the cache
+        traffic.refresh(traffic.counts[:-1])
+        hit_rate = float((hot.map[ids.flatten()] >= 0).float().mean())
         ref = gather_dequant(ids, w_gpu, s_gpu, 0, torch.empty_like(out)).clone()
         hash_ms = do_bench(lambda: ngram_hash(spec, tok, qsl, ctx))
         unique = torch.unique(ids).numel() / ids.numel()
@@ -239,7 +246,7 @@ def main() -> None:
 
     formats = {}
     if args.formats_table_gb > 0:
-        del packed, w_gpu, s_gpu, table, w_host, s_host, cache  # make room for the format tables
+        del packed, w_gpu, s_gpu, table, w_host, s_host, hot, traffic  # make room for the format tables
         formats = bench_formats(args, token_streams(T, torch.Generator().manual_seed(0)), "cuda", do_bench)
 
     report = {
@@ -316,7 +323,7 @@ def _on_cpu(table: PLETable) -> PLETable:
     view = PLETable.__new__(PLETable)
     view.__dict__.update(table.__dict__)
     view.tensor_scale = None if table.tensor_scale is None else table.tensor_scale.cpu()
-    view.cache = None
+    view.hot = None
     return view
 
 

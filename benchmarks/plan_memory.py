@@ -1,7 +1,7 @@
 """Per-rank PLE memory and per-step traffic for a config and a TP x DP layout (no GPU needed).
 
     python benchmarks/plan_memory.py [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
-                                     [--gpus-per-node 8] [--cache-gb 0]
+                                     [--gpus-per-node 8] [--hot-rows-gib 0]
 
 Without --config the transformers defaults are used (vocab 248 320, hidden 2048, N=3, 8 heads per order,
 base 20 M rows per head) with `--num-ple-layers` PLE layers. For every TP in 1..8 and DP in 1..8 it
@@ -11,7 +11,9 @@ with and without `embedding_across_dp` — across DP ours (each TP rank sends a 
 tokens) beside upstream vLLM's (DP gather of ids + all-reduce over TP x DP). Per node (`--gpus-per-node`
 ranks): INT8 host bytes without and with `dp_shared_memory` (one copy of the TP-sharded tables for all DP
 replicas on the node). Per rank on the GPU beside host tables: the row scales when kept there
-(`PLETable(scales_on_device=True)`) and a hot-row cache of `--cache-gb`.
+(`PLETable(scales_on_device=True)`) and the hot-row cache serving's `hot_rows_gib` setting gives it, with
+the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
+from a calibration file).
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, owned_rows, upstream_bytes_per_token
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+from qwen4_exp_hcu.ple.hot_rows import HotRows
 
 
 def load_config(path: str | None, num_ple_layers: int):
@@ -35,7 +38,7 @@ def load_config(path: str | None, num_ple_layers: int):
     return Qwen4ExpTextConfig(ple_layer_ids=layers, eos_token_id=248_044)
 
 
-def plan(cfg, tokens: int, gpus_per_node: int = 8, cache_bytes: int = 0) -> list[dict]:
+def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0) -> list[dict]:
     specs = [NgramHashSpec.from_config(cfg, i) for i in range(len(cfg.ple_layer_ids))]
     heads, dim = specs[0].num_heads, specs[0].head_dim
     rows = [s.rows for s in specs]
@@ -44,13 +47,19 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, cache_bytes: int = 0) -> list
         for dp in range(1, 9):
             for across in (False, True) if dp > 1 else (False,):
                 world = tp * dp if across else tp
-                owned = sum(owned_rows(r, 0, world)[1] for r in rows)  # rank 0 owns the most
+                per_layer = [owned_rows(r, 0, world)[1] for r in rows]  # rank 0 owns the most
+                owned = sum(per_layer)
+                budget = hot_rows_bytes // len(rows)
+                slots = {observe: sum(max(0, HotRows.slots_for(budget, n, dim + 2, observe)) for n in per_layer)
+                         for observe in (True, False)} if budget else {True: 0, False: 0}  # fmt: skip
                 row = {
                     "tp": tp, "dp": dp, "embedding_across_dp": across, "etp_world": world,
                     "bf16_table_bytes_per_rank": owned * dim * 2,
                     "int8_table_bytes_per_rank": owned * (dim + 2),
                     **node_bytes(rows, dim, tp, dp, across, gpus_per_node),
-                    "gpu_bytes_per_rank_host_int8_device_scales": owned * 2 + cache_bytes,
+                    "gpu_bytes_per_rank_host_int8_device_scales": owned * 2 + hot_rows_bytes,
+                    "hot_rows_per_rank_from_traffic": slots[True],
+                    "hot_rows_per_rank_from_calibration": slots[False],
                     # ids an ETP rank looks up per step: its DP replica's tokens, or every replica's
                     "pcie_bytes_per_step_int8": round(len(rows) * tokens * heads * (dim + 2) * (dp if across else 1) / world),
                     "etp_bytes_per_step": len(rows) * combine_bytes(world, across, heads, dim, tokens, tp),
@@ -80,11 +89,11 @@ def main() -> None:
     ap.add_argument("--num-ple-layers", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per DP rank per step")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--cache-gb", type=float, default=0.0, help="GPU hot-row cache per rank")
+    ap.add_argument("--hot-rows-gib", type=float, default=0.0, help="GPU hot-row cache per rank (serving's hot_rows_gib)")
     ap.add_argument("--out", default="benchmarks/results/plan_memory.json")
     args = ap.parse_args()
     cfg = load_config(args.config, args.num_ple_layers)
-    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.cache_gb * 1e9))
+    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.hot_rows_gib * 2**30))
     gib = 2**30
     print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'node host GiB':>13} {'shared':>7} | "
           f"{'GPU scales':>10} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")  # fmt: skip
@@ -98,7 +107,7 @@ def main() -> None:
                   f"{r['etp_bytes_per_step_upstream'] / 2**20:9.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "gpus_per_node": args.gpus_per_node,
-            "cache_bytes_per_rank": int(args.cache_gb * 1e9)}  # fmt: skip
+            "hot_rows_bytes_per_rank": int(args.hot_rows_gib * 2**30)}  # fmt: skip
     Path(args.out).write_text(json.dumps({**meta, "plans": rows}, indent=1))
 
 

@@ -191,9 +191,14 @@ def test_gpu_hot_row_cache_changes_nothing_but_speed():
     t = table_from(w, parts=3, quantized=True, device="cuda", host=True)
     ids = torch.randint(0, 5000, (512, 16), device="cuda")
     plain = t.lookup(ids).clone()
-    served = t.cache_hot_rows(ids[:256], max_rows=1000)
-    assert 0 < served <= 1 and t.cache[1].shape == (1000, 128)
+    hot = t.enable_hot_rows(1000)
+    assert 0 < hot.fill(ids[:256]) <= 1 and hot.rows.shape == (1000, 128)
     assert torch.equal(t.lookup(ids), plain)
+    traffic = t.enable_hot_rows(1000, observe=True)  # refreshed from the lookups themselves
+    traffic.refresh_every = 2
+    for _ in range(4):
+        assert torch.equal(t.lookup(ids), plain)
+    assert traffic.refreshes == 2 and int((traffic.slot_row >= 0).sum()) == 1000
 
 
 @pytest.mark.gpu

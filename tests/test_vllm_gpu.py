@@ -2,7 +2,8 @@
 
 The tiny INT8 checkpoint with its PLE tables in pinned host memory (vLLM's `EngramConfig` default), served
 in breakable CUDA graphs (vLLM's default for Qwen4Exp), FULL_AND_PIECEWISE and PIECEWISE (torch.compile,
-breakable graphs off), FULL_DECODE_ONLY and eager. Each engine runs the CPU suite's scenarios
+breakable graphs off), FULL_DECODE_ONLY, eager, and breakable graphs with the opt-in hot-row cache
+refreshed from the served traffic. Each engine runs the CPU suite's scenarios
 (`scenarios.py`: chunked prefill, EOS inside prompts, one request at a time, a concurrent batch of
 different lengths, 32 decode steps, a prefix-cache hit) in its own process (`vllm_gpu_worker.py`); several
 share the GPU at once. One more engine runs with the PLE state carry broken on purpose and must fail the
@@ -41,6 +42,7 @@ EXPECTED_CUDAGRAPH_MODE = {
     "piecewise": "PIECEWISE",
     "full_decode_only": "FULL_DECODE_ONLY",
     "eager": "NONE",
+    "hot_rows": "FULL_AND_PIECEWISE",
 }
 
 
@@ -157,13 +159,17 @@ def test_graph_mode_matches_transformers(mode, prefetch, runs, reference, record
     report = compare(result, reference)
     print(summary((mode, prefetch, False), result, report, record))
     if mode != "eager":  # vLLM turns the flag on for our architecture even when enforce_eager makes it moot
-        assert result["breakable"] == (mode == "breakable")
+        assert result["breakable"] == (mode in ("breakable", "hot_rows"))
     assert result["cudagraph_mode"] == EXPECTED_CUDAGRAPH_MODE[mode]
     assert within_tolerance(report), report
     first, second = result["prefix_cache"]
     assert second["num_cached_tokens"] > first["num_cached_tokens"], "no prefix-cache hit"
     for table in result["tables"]:
         assert (table["device"], table["pinned"], table["dtype"]) == ("cpu", True, "int8"), table
+        hot = table["hot_rows"]
+        assert (hot is not None) == (mode == "hot_rows"), table
+        if hot is not None:  # the cache was refreshed from the traffic while the answers stayed exact
+            assert hot["refreshes"] > 0 and hot["filled"] > 0, hot
 
 
 def test_broken_state_carry_is_caught(runs, reference, record):

@@ -26,7 +26,10 @@ MODES = {
         {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
     ),
     "eager": ({}, {"enforce_eager": True}),
+    # vLLM's default graphs with the opt-in GPU cache of hot PLE rows, filled from served traffic
+    "hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 0.01}}}),
 }
+HOT_ROWS_REFRESH_EVERY = 2  # lookups between refreshes in the hot_rows mode, so the short runs refresh often
 
 
 def engine_kwargs(mode: str) -> dict:
@@ -34,7 +37,8 @@ def engine_kwargs(mode: str) -> dict:
     from scenarios import GPU_ENGINE
 
     kwargs = {**GPU_ENGINE, **MODES[mode][1]}
-    kwargs["compilation_config"] = {**GPU_ENGINE["compilation_config"], **kwargs["compilation_config"]}
+    for merged in ("compilation_config", "additional_config"):
+        kwargs[merged] = {**GPU_ENGINE[merged], **MODES[mode][1].get(merged, {})}
     return kwargs
 
 
@@ -75,6 +79,10 @@ def main() -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
     if args.fault:
         break_state_carry()
+    if args.mode == "hot_rows":
+        from qwen4_exp_hcu.ple import hot_rows
+
+        hot_rows.REFRESH_EVERY = HOT_ROWS_REFRESH_EVERY
 
     from scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, PROMPTS
     from vllm import LLM, SamplingParams

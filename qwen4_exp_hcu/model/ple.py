@@ -95,6 +95,9 @@ class PLEPlacement:
         self.shared_host = dp_shared_host(vllm_config, self.table_format) if share else None
         # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
         self.huge_pages = engram is not None and bool(engram.use_thp) and self.cpu_offload and self.shared_host is None
+        self.hot_rows_bytes, self.hot_rows_calibration = hot_rows_settings(
+            vllm_config, self.cpu_offload, self.device, self.table_format
+        )
 
     def etp_group(self):
         from vllm.distributed import get_etp_group
@@ -107,6 +110,39 @@ class PLEPlacement:
         from vllm.distributed import get_tp_group
 
         return get_tp_group() if self.across_dp else None
+
+
+SETTINGS_KEY = "qwen4_exp_hcu"  # --additional-config '{"qwen4_exp_hcu": {...}}': what EngramConfig has no field for
+_SETTINGS = ("hot_rows_gib", "hot_rows_calibration")
+
+
+def hot_rows_settings(vllm_config: VllmConfig, cpu_offload: bool, device: torch.device, table_format: str):
+    """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache:
+    `hot_rows_gib` (per rank, all PLE layers, row maps included; 0 = off) and `hot_rows_calibration` (a
+    safetensors file with a `tokens` stream; without it the cache follows served traffic)."""
+    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
+
+    settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY, {})
+    where = f"--additional-config.{SETTINGS_KEY}"
+    if not isinstance(settings, dict) or set(settings) - set(_SETTINGS):
+        raise ValueError(f"{where}: expected a mapping of {list(_SETTINGS)}, got {settings!r}.")
+    gib, calibration = settings.get("hot_rows_gib", 0), settings.get("hot_rows_calibration")
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
+        raise ValueError(f"{where}.hot_rows_gib must be a number of GiB >= 0, got {gib!r}.")
+    if not gib:
+        if calibration is not None:
+            raise ValueError(f"{where}.hot_rows_calibration is set but hot_rows_gib is not: the cache has no size.")
+        return 0, None
+    if not cpu_offload or device.type == "cpu":
+        raise ValueError(
+            f"{where}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
+            f"--engram-config.cpu_offload=True on an accelerator (here: cpu_offload={cpu_offload}, device {device})."
+        )
+    if table_format not in ("bf16", "int8"):
+        raise ValueError(f"{where}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {table_format}.")
+    config = vllm_config.model_config.hf_text_config
+    tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
+    return int(gib * 2**30) // len(ple_layers(config)), tokens
 
 
 def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
@@ -276,6 +312,7 @@ class PLEBlock(nn.Module, MambaBase):
             huge_pages=placement.huge_pages,
             dtype=self.model_dtype,
         )
+        self.hot_rows = (placement.hot_rows_bytes, placement.hot_rows_calibration)
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         self.prefetch = None  # this layer's `Prefetch` handle, when the model prefetches
         self.progress: tqdm | None = None
@@ -362,6 +399,9 @@ class PLEBlock(nn.Module, MambaBase):
 
     def finish_loading(self) -> None:
         self.layer.finish_loading(prefix=f"{self.prefix}.")
+        budget, calibration = self.hot_rows
+        if budget:
+            logger.info("%s: %s", self.prefix, self.layer.enable_hot_rows(budget, calibration).describe())
 
     def storage(self) -> dict:
         """Where the table lives, for reports and tests: device, pinned, bytes, data pointer."""
@@ -375,7 +415,11 @@ class PLEBlock(nn.Module, MambaBase):
             "bytes": t.nbytes,
             "data_ptr": t.weight.data_ptr(),
             "describe": t.describe(),
-        }
+            "hot_rows": None if t.hot is None else {
+                "slots": t.hot.rows.shape[0], "filled": int((t.hot.slot_row >= 0).sum()),
+                "refreshes": t.hot.refreshes, "bytes": t.hot.nbytes,
+            },
+        }  # fmt: skip
 
 
 # ---- custom ops -----------------------------------------------------------------------------------------

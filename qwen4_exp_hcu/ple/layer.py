@@ -19,6 +19,7 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.host_memory import SharedHost
+from qwen4_exp_hcu.ple.hot_rows import HotRows
 
 
 def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -260,6 +261,26 @@ class PLELayer(nn.Module):
             missing = sorted(need - part.keys())[0]
             raise ValueError(f"{prefix}{TABLE}.shard_{j}.{missing} is missing from the checkpoint.")
         self.table.check_loaded(f"{prefix}{TABLE}")
+
+    def enable_hot_rows(self, gpu_bytes: int, calibration_tokens: torch.Tensor | None = None) -> HotRows:
+        """Keep this rank's most used table rows in `gpu_bytes` of accelerator memory (row map included):
+        the rows most frequent in `calibration_tokens` (one token stream, EOS between documents), or,
+        without them, the rows served traffic reads most (see `ple.hot_rows`)."""
+        t, observe = self.table, calibration_tokens is None
+        row_bytes = t.weight[:1].nbytes + (t.scale[:1].nbytes if t.scale is not None else 0)
+        slots = HotRows.slots_for(gpu_bytes, t.end - t.start, row_bytes, observe)
+        if slots < 1:
+            raise ValueError(
+                f"hot_rows_gib: {gpu_bytes / 2**30:.4f} GiB per PLE layer cannot hold the row map of this rank's "
+                f"{t.end - t.start} rows ({HotRows.bytes_needed(t.end - t.start, 0, row_bytes, observe) / 2**30:.4f} GiB)."
+            )
+        hot = t.enable_hot_rows(slots, observe)
+        if not observe:
+            tokens = calibration_tokens.to(t.compute_device, torch.int64)
+            qsl = torch.tensor([0, tokens.numel()], device=tokens.device)
+            context = torch.full((1, self.spec.context_len), self.spec.eos_token_id, device=tokens.device)
+            hot.fill(ngram_ids(self.spec, tokens, qsl, context))
+        return hot
 
     @classmethod
     def from_state_dict(cls, text_config, ple_layer_index: int, state_dict: dict, prefix: str = "", **kw) -> PLELayer:

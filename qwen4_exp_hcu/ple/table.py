@@ -16,6 +16,7 @@ import torch
 
 from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
 from qwen4_exp_hcu.ple.host_memory import SharedHost
+from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
 
 
@@ -147,7 +148,7 @@ class PLETable:
             torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if fmt in ("fp8", "nvfp4") else None
         )
         self._loaded: set[int] = set()
-        self.cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.hot: HotRows | None = None  # GPU cache of the most used rows (`enable_hot_rows`)
 
     def _huge_page_alloc(self, shape, dtype, name) -> torch.Tensor:
         from qwen4_exp_hcu.ple.host_memory import huge_page_empty
@@ -171,7 +172,8 @@ class PLETable:
             where += f", scales on {self.scale.device}"
         kind = {"bf16": "bf16", "int8": "int8+bf16 scale", "fp8": "fp8 e4m3+table scale",
                 "nvfp4": "nvfp4 e2m1+e4m3 block scales+table scale"}[self.fmt]  # fmt: skip
-        return f"rows [{self.start}, {self.end}) x {self.dim} {kind} in {where}: {self.nbytes / 2**20:.2f} MiB"
+        hot = "" if self.hot is None else f"; {self.hot.describe()}"
+        return f"rows [{self.start}, {self.end}) x {self.dim} {kind} in {where}: {self.nbytes / 2**20:.2f} MiB{hot}"
 
     # ---- loading -------------------------------------------------------------------------------
     def _shard_span(self, j: int) -> tuple[int, int]:
@@ -247,24 +249,15 @@ class PLETable:
             self.shared.loaded()
 
     # ---- hot-row cache ---------------------------------------------------------------------------
-    def cache_hot_rows(self, calibration_ids: torch.Tensor, max_rows: int) -> float:
-        """Keep the `max_rows` most frequent owned rows of a calibration id stream in accelerator memory
-        (plus an int32 row->slot map over the owned rows); returns the share of calibration lookups they
-        serve. Only for host tables: the lookup kernel checks the cache and skips host memory on a hit."""
+    def enable_hot_rows(self, slots: int, observe: bool = False) -> HotRows:
+        """A GPU cache of `slots` owned rows, empty until filled (`hot.fill(calibration ids)`) or, with
+        `observe`, refreshed from the rows this table's lookups read (see `ple.hot_rows`)."""
         if self.weight.device == self.compute_device:
-            raise ValueError("a hot-row cache only helps a host-resident PLE table.")
+            raise ValueError("a hot-row cache only helps a host-resident PLE table read by an accelerator.")
         if self.fmt not in ("bf16", "int8"):
             raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.fmt}.")
-        n = self.end - self.start
-        local = calibration_ids.flatten().long().cpu() - self.start
-        counts = torch.bincount(local[(local >= 0) & (local < n)], minlength=n)
-        top = counts.topk(min(max_rows, int((counts > 0).sum()))).indices
-        cmap = torch.full((n,), -1, dtype=torch.int32)
-        cmap[top] = torch.arange(len(top), dtype=torch.int32)
-        dev = self.compute_device
-        scale = None if self.scale is None else self.scale[top].to(dev)
-        self.cache = (cmap.to(dev), self.weight[top].to(dev), scale)
-        return float(counts[top].sum() / counts.sum().clamp_min(1))
+        self.hot = HotRows(self.weight, self.scale, self.start, self.end, slots, self.compute_device, observe)
+        return self.hot
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,6 +279,10 @@ class PLETable:
         from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
 
         tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
+        cache = None
+        if self.hot is not None:
+            self.hot.observe(ids)
+            cache = self.hot.tensors
         return gather_dequant(
-            ids.contiguous(), self.weight, scale, self.start, out, global_scale=global_scale, cache=self.cache, **tuning
+            ids.contiguous(), self.weight, scale, self.start, out, global_scale=global_scale, cache=cache, **tuning
         )

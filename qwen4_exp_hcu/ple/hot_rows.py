@@ -1,0 +1,119 @@
+"""A GPU cache of a host-resident PLE table's most used rows: the lookup kernel serves a hit from
+accelerator memory and reads host memory only on a miss (n-gram ids of natural text repeat: a cache of a
+few percent of the rows serves about half the lookups, see docs/PERFORMANCE.md).
+
+Filled once from a calibration id stream (`fill`), or kept up to date from served traffic (`observe`): every
+lookup adds its owned rows to counts kept on the accelerator (capturable), and every `refresh_every` eager
+lookups the most counted rows replace the cached ones. Refreshes run only outside CUDA-graph capture, on the
+lookup's stream, and only newcomers cross from host memory; counts are then halved, so the cache follows
+the traffic. Every buffer is allocated once, so captured graphs keep valid addresses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+REFRESH_EVERY = 256  # eager lookups between refreshes: one topk over the counts + the newcomers' copy
+
+
+class HotRows:
+    """Cache slots for rows [start, end) of `weight` (+ `scale`, [rows, 1], INT8 tables) on `device`."""
+
+    def __init__(self, weight, scale, start: int, end: int, slots: int, device, observe: bool) -> None:
+        if slots < 1:
+            raise ValueError(f"a hot-row cache needs at least one slot, got {slots}.")
+        self.weight, self.scale, self.start, self.n = weight, scale, start, end - start
+        self.map = torch.full((self.n,), -1, dtype=torch.int32, device=device)  # owned row -> slot, -1: miss
+        self.rows = torch.zeros((slots, weight.shape[1]), dtype=weight.dtype, device=device)
+        self.row_scales = None if scale is None else torch.zeros((slots, 1), dtype=scale.dtype, device=device)
+        self.slot_row = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> owned row
+        # traffic counts per owned row; the last entry absorbs rows another rank owns
+        self.counts = torch.zeros(self.n + 1, dtype=torch.int32, device=device) if observe else None
+        self.refresh_every = REFRESH_EVERY
+        self._eager_lookups = 0
+        self.refreshes, self.share = 0, 0.0  # refreshes so far; share of the counts the last one serves
+
+    @staticmethod
+    def bytes_needed(rows: int, slots: int, row_bytes: int, observe: bool) -> int:
+        """Accelerator bytes of a cache over `rows` owned rows with `slots` slots of `row_bytes` each."""
+        return 4 * rows + (4 * (rows + 1) if observe else 0) + slots * (row_bytes + 8)
+
+    @classmethod
+    def slots_for(cls, budget: int, rows: int, row_bytes: int, observe: bool) -> int:
+        """The most slots `budget` bytes hold (at most one per row); < 1 when the row map alone is too big."""
+        return min(rows, (budget - cls.bytes_needed(rows, 0, row_bytes, observe)) // (row_bytes + 8))
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(row -> slot map, cached rows, their scales): what the lookup kernel reads."""
+        return self.map, self.rows, self.row_scales
+
+    def describe(self) -> str:
+        source = "served traffic" if self.counts is not None else "calibration"
+        return (f"{int((self.slot_row >= 0).sum())}/{self.rows.shape[0]} hot rows from {source} "
+                f"({self.nbytes / 2**20:.1f} MiB, {self.refreshes} refreshes, last served {self.share:.0%})")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.map, self.rows, self.row_scales, self.slot_row, self.counts) if t is not None)
+
+    def observe(self, ids: torch.Tensor) -> None:
+        """Count a lookup's owned rows; refresh when due and not capturing (call before the lookup)."""
+        if self.counts is None:
+            return
+        local = ids.reshape(-1) - self.start
+        local = torch.where((local >= 0) & (local < self.n), local, self.n)
+        self.counts.index_add_(0, local, torch.ones_like(local, dtype=torch.int32))
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self._eager_lookups += 1
+        if self._eager_lookups >= self.refresh_every:
+            self._eager_lookups = 0
+            self.refresh(self.counts[:-1])
+            self.counts.bitwise_right_shift_(1)
+
+    def fill(self, ids: torch.Tensor) -> float:
+        """Cache the most frequent owned rows of a calibration id stream; returns the share of its owned
+        lookups they serve."""
+        local = ids.reshape(-1).long().cpu() - self.start
+        return self.refresh(torch.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
+
+    @torch.no_grad()
+    def refresh(self, counts: torch.Tensor) -> float:
+        """Make the cache hold the most counted rows: cached rows that stay keep their slot, the others
+        are evicted and their slots take the newcomers. Returns the share of counts the cache serves."""
+        dev = self.map.device
+        counts = counts.to(dev)
+        top = counts.topk(min(self.rows.shape[0], int((counts > 0).sum()))).indices
+        hot = torch.zeros(self.n, dtype=torch.bool, device=dev)
+        hot[top] = True
+        cached = self.slot_row >= 0
+        keep = cached & hot[self.slot_row.clamp_min(0)]
+        self.map[self.slot_row[cached & ~keep]] = -1
+        self.slot_row[~keep] = -1
+        newcomers = top[self.map[top] < 0]
+        free = (~keep).nonzero().flatten()[: newcomers.numel()]
+        host = newcomers.to(self.weight.device)
+        self.rows[free] = self.weight[host].to(dev)
+        if self.scale is not None:
+            self.row_scales[free] = self.scale[newcomers.to(self.scale.device)].to(dev)
+        self.map[newcomers] = free.to(torch.int32)
+        self.slot_row[free] = newcomers
+        self.refreshes += 1
+        self.share = float(counts[top].sum() / counts.sum().clamp_min(1))
+        return self.share
+
+
+def load_calibration_tokens(path: str, vocab_size: int) -> torch.Tensor:
+    """The `tokens` tensor of a safetensors file: one 1-D stream of token ids (EOS between documents)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        if "tokens" not in f.keys():
+            raise ValueError(f"hot_rows_calibration {path}: no `tokens` tensor (it holds {sorted(f.keys())}).")
+        tokens = f.get_tensor("tokens")
+    if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool or not tokens.numel():
+        raise ValueError(f"hot_rows_calibration {path}: `tokens` must be a non-empty 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}.")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise ValueError(f"hot_rows_calibration {path}: token ids must lie in [0, {vocab_size}).")
+    return tokens.long()

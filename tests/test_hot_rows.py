@@ -1,0 +1,126 @@
+"""The hot-row cache (`ple.hot_rows.HotRows`): after any sequence of traffic, refreshes and calibration fills,
+the fused lookup through the cache equals the table's reference bit for bit, the cache holds exactly the
+most counted rows, and its map and slots agree. The kernel runs under the Triton interpreter on the CPU
+(conftest); `test_table.py` runs a host table with a cache on the GPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
+from qwen4_exp_hcu.ple.hot_rows import HotRows, load_calibration_tokens
+from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.table import gather_dequant_reference
+
+D = 16
+
+
+def table(n: int, fmt: str, g: torch.Generator):
+    w = torch.randn(n, D, generator=g).to(torch.bfloat16)
+    return quantize_rows(w) if fmt == "int8" else (w, None)
+
+
+def zipf_ids(n: int, t: int, g: torch.Generator, shift: int) -> torch.Tensor:
+    """[t, 2] ids in [-3, n + 3) skewed towards a few of them (which ones moves with `shift`)."""
+    ranks = torch.arange(1, n + 7, dtype=torch.float64).pow(-1.2)
+    return ((torch.multinomial(ranks, 2 * t, True, generator=g) + shift) % (n + 6) - 3).view(t, 2)
+
+
+def through_cache(ids, w, s, start, hot):
+    out = torch.full((ids.shape[0], ids.shape[1] * D), float("nan"), dtype=torch.bfloat16)
+    return gather_dequant(ids, w, s, start, out, cache=hot.tensors)
+
+
+def check_consistent(hot: HotRows, w, s):
+    filled = (hot.slot_row >= 0).nonzero().flatten()
+    assert torch.equal(hot.map[hot.slot_row[filled]], filled.int())  # slot -> row -> the same slot
+    assert int((hot.map >= 0).sum()) == filled.numel()  # no stale map entries
+    assert torch.equal(hot.rows[filled], w[hot.slot_row[filled]])
+    if s is not None:
+        assert torch.equal(hot.row_scales[filled], s[hot.slot_row[filled]])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    fmt=st.sampled_from(["bf16", "int8"]),
+    n=st.integers(4, 120),
+    slots=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+    steps=st.integers(1, 12),
+)
+def test_lookups_through_a_refreshing_cache_are_exact(fmt, n, slots, seed, steps):
+    """Traffic whose hot rows drift step by step, refreshed every 2 lookups: every lookup is exact and
+    each refresh caches exactly the rows with the highest counts."""
+    g = torch.Generator().manual_seed(seed)
+    w, s = table(n, fmt, g)  # this rank's rows [start, start + n) of a table of n + 10 rows
+    start = 5
+    hot = HotRows(w, s, start, start + n, slots, "cpu", observe=True)
+    hot.refresh_every = 2
+    for step in range(steps):
+        ids = zipf_ids(n + 10, 30, g, shift=3 * step)
+        before = hot.counts.clone()
+        hot.observe(ids)
+        got = through_cache(ids, w, s, start, hot)
+        assert torch.equal(got, gather_dequant_reference(ids, w, s, start))
+        if step % 2 == 1:  # refreshed from the counts after this lookup, then halved
+            local = ids.flatten() - start
+            counted = before + torch.bincount(torch.where((local >= 0) & (local < n), local, n), minlength=n + 1).int()
+            assert torch.equal(hot.counts, counted >> 1)
+            k = min(slots, int((counted[:-1] > 0).sum()))
+            cached = set(hot.slot_row[hot.slot_row >= 0].tolist())
+            assert len(cached) == k
+            threshold = counted[:-1].topk(k).values.min() if k else 0
+            assert all(counted[r] >= threshold for r in cached)
+        check_consistent(hot, w, s)
+    assert hot.refreshes == steps // 2
+
+
+def test_a_wrong_cached_row_is_caught():
+    """The exactness check above reads cached rows: one corrupted slot changes the lookup."""
+    g = torch.Generator().manual_seed(0)
+    w, s = table(50, "int8", g)
+    hot = HotRows(w, s, 0, 50, 8, "cpu", observe=False)
+    ids = zipf_ids(50, 40, g, shift=0).clamp(0, 49)
+    hot.fill(ids)
+    hot.rows[hot.map[ids[0]].long()] += 1
+    assert not torch.equal(through_cache(ids, w, s, 0, hot), gather_dequant_reference(ids, w, s, 0))
+
+
+def test_calibration_fill_caches_the_most_frequent_rows_and_reports_their_share():
+    w, s = table(8, "bf16", torch.Generator().manual_seed(0))
+    hot = HotRows(w, s, 2, 10, 2, "cpu", observe=False)
+    ids = torch.tensor([3, 3, 3, 7, 7, 4, 0, 0, 0, 0, 11])  # 0 and 11 are not owned: not counted
+    assert hot.fill(ids) == pytest.approx(5 / 6)
+    assert sorted((hot.slot_row + 2).tolist()) == [3, 7]
+    assert hot.counts is None  # a calibrated cache does not count traffic
+    hot.observe(ids)
+    assert hot.refreshes == 1
+
+
+def test_budget_arithmetic():
+    row = D + 2  # an INT8 row and its bf16 scale
+    assert HotRows.bytes_needed(1000, 0, row, observe=False) == 4 * 1000
+    assert HotRows.bytes_needed(1000, 10, row, observe=True) == 4 * 1000 + 4 * 1001 + 10 * (row + 8)
+    assert HotRows.slots_for(4000 + 5 * (row + 8), 1000, row, observe=False) == 5
+    assert HotRows.slots_for(10**9, 1000, row, observe=False) == 1000  # never more slots than rows
+    assert HotRows.slots_for(3999, 1000, row, observe=False) < 1
+    with pytest.raises(ValueError, match="at least one slot"):
+        HotRows(torch.zeros(4, D), None, 0, 4, 0, "cpu", observe=False)
+
+
+def test_calibration_file_is_checked(tmp_path):
+    good = tmp_path / "good.safetensors"
+    save_file({"tokens": torch.tensor([1, 2, 3], dtype=torch.int32)}, good)
+    assert load_calibration_tokens(str(good), 10).dtype == torch.int64
+    cases = {
+        "no `tokens` tensor": {"ids": torch.tensor([1])},
+        "1-D integer": {"tokens": torch.ones(2, 2, dtype=torch.int64)},
+        r"\[0, 10\)": {"tokens": torch.tensor([3, 10])},
+    }
+    for message, tensors in cases.items():
+        path = tmp_path / "bad.safetensors"
+        save_file(tensors, path)
+        with pytest.raises(ValueError, match=message):
+            load_calibration_tokens(str(path), 10)
