@@ -158,3 +158,20 @@ def test_standalone_layer_imports_no_config_parsers():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     for heavy in ("vllm", "pydantic", "compressed_tensors"):
         assert f"'{heavy}'" not in loaded, heavy
+
+
+@pytest.mark.gpu
+def test_gpu_hot_rows_from_calibration_change_nothing_but_where_rows_are_read():
+    """`PLELayer.enable_hot_rows` with calibration tokens: the hash of the stream picks the cached rows;
+    lookups through the cache equal those without it."""
+    cfg = tiny_text_config(ngram_size=3)
+    _, gpu = make_pair(cfg, quantized=True, device="cuda", host_table=True)
+    state = empty_state(gpu, 2, device="cuda")
+    ids = torch.randint(0, 97, (40,), device="cuda")
+    batch = PLEBatch.from_lengths(ids, [30, 10], [0, 1], [False, False])
+    plain = gpu.lookup(batch, state).clone()
+    hot = gpu.enable_hot_rows(1 << 20, calibration_tokens=ids.cpu())
+    assert hot.share == 1.0 and int((hot.slot_row >= 0).sum()) > 0  # small table: every calibration row fits
+    assert torch.equal(gpu.lookup(batch, state), plain)
+    with pytest.raises(ValueError, match="cannot hold the row map"):
+        gpu.enable_hot_rows(16)
