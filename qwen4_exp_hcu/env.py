@@ -11,8 +11,10 @@ PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 
 TEXT_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"
 MULTIMODAL_CLASS = "qwen4_exp_hcu.model.multimodal:Qwen4ExpForConditionalGeneration"
-# What real checkpoints declare (vLLM keys --engram-config and its Qwen4Exp checks on these names) → our class.
-ARCHITECTURES = {"Qwen4ExpForCausalLM": TEXT_CLASS, "Qwen4ExpForConditionalGeneration": MULTIMODAL_CLASS}
+MTP_CLASS = "qwen4_exp_hcu.model.mtp:Qwen4ExpMTP"
+# What real checkpoints declare (and vLLM names their MTP draft, `method: mtp`) → our class.
+ARCHITECTURES = {"Qwen4ExpForCausalLM": TEXT_CLASS, "Qwen4ExpForConditionalGeneration": MULTIMODAL_CLASS,
+                 "Qwen4ExpMTP": MTP_CLASS}  # fmt: skip
 ALIAS = "Qwen4ExpHcuForCausalLM"  # always ours (the text class), e.g. through --hf-overrides
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

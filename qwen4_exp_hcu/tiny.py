@@ -142,6 +142,39 @@ def make_tiny_checkpoint(
     return dst
 
 
+@torch.no_grad()
+def add_mtp_head(path: str | Path, seed: int = 1) -> Path:
+    """Give the checkpoint at `path` a random MTP head as releases store it (`mtp.*`, one attention + MoE
+    layer; `mtp_num_hidden_layers: 1`): its layer and mixer start from the model's last attention layer and
+    final mixer, plus noise, so the head drafts something like the model's own next tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    prefix = "model.language_model." if "text_config" in config else "model."
+    last = max(i for i, t in enumerate(text["layer_types"]) if t != "linear_attention")
+    gen = torch.Generator().manual_seed(seed)
+    noisy = lambda t: (t.float() + 0.01 * torch.randn(t.shape, generator=gen)).to(t.dtype)  # noqa: E731
+    weights = load_file(path / "model.safetensors")
+    H, width = text["hidden_size"], text["hidden_size"] * text["hc_count"]
+    head = {}
+    for key, t in weights.items():
+        for src, dst in ((f"{prefix}layers.{last}.", "mtp.layers.0."), (f"{prefix}hyper_connection_mixer.", "mtp.hyper_connection_mixer.")):
+            if key.startswith(src) and ".ple." not in key:
+                head[dst + key[len(src):]] = noisy(t)
+    head["mtp.fc_embedding.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    head["mtp.fc_hidden.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    head["mtp.pre_fc_norm_embedding.weight"] = (0.1 * torch.randn(H, generator=gen)).to(torch.bfloat16)
+    head["mtp.pre_fc_norm_hidden.weight"] = (0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
+    save_file({**weights, **head}, path / "model.safetensors", metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def make_tiny_vl_checkpoint(
     dst: str | Path, config_path: str | Path = DEFAULT_CONFIG, weight_seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     **overrides,

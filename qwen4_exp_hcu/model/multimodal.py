@@ -77,6 +77,9 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         return Qwen3VLForConditionalGeneration._get_mrope_input_positions(input_tokens, mm_features, self.config)
 
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        return self.language_model.get_mtp_target_hidden_states()
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
