@@ -185,7 +185,7 @@ def test_int8_quantization_is_claimed_when_a_group_holds_the_ple_tables_alone(vl
         claims(bad, ours)
 
 
-ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpHcuForCausalLM")
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP", "Qwen4ExpHcuForCausalLM")
 
 
 def test_plugin_registration_and_disable_switch(vllm_process):
@@ -196,7 +196,7 @@ def test_plugin_registration_and_disable_switch(vllm_process):
     text = "qwen4_exp_hcu.model.model"
     multimodal = "qwen4_exp_hcu.model.multimodal" if vision_available() else text  # text prompts only without torchvision
     registered = {a: ModelRegistry.models[a].module_name for a in ARCHITECTURES}
-    assert registered == dict(zip(ARCHITECTURES, (text, multimodal, text)))
+    assert registered == dict(zip(ARCHITECTURES, (text, multimodal, "qwen4_exp_hcu.model.mtp", text)))
     # A fresh process with the switch on keeps vLLM's own classes; the alias stays ours.
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins();"
@@ -204,8 +204,8 @@ def test_plugin_registration_and_disable_switch(vllm_process):
     )
     env = {**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    causal, conditional, alias = out.stdout.split()[-3:]
-    assert causal.startswith("vllm.") and conditional.startswith("vllm.") and alias == text
+    *upstream, alias = out.stdout.split()[-4:]
+    assert all(m.startswith("vllm.") for m in upstream) and alias == text
 
 
 def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int8_path, monkeypatch):
