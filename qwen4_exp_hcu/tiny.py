@@ -145,8 +145,8 @@ def make_tiny_checkpoint(
 @torch.no_grad()
 def add_mtp_head(path: str | Path, seed: int = 1) -> Path:
     """Give the checkpoint at `path` a random MTP head as releases store it (`mtp.*`, one attention + MoE
-    layer; `mtp_num_hidden_layers: 1`): its layer and mixer start from the model's last attention layer and
-    final mixer, plus noise, so the head drafts something like the model's own next tokens."""
+    layer; `mtp_num_hidden_layers: 1`): its layer and mixer are the model's last attention layer and final
+    mixer plus noise, its norms and fc projections random."""
     import json
 
     from safetensors.torch import load_file, save_file

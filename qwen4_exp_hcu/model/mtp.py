@@ -45,9 +45,9 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
             for name in ("fc_embedding", "fc_hidden")
         )
         first = config.num_hidden_layers  # the MTP layers continue the target's numbering (unique layer names)
-        self.use_qsa = use_qsa = uses_qsa(vllm_config)
+        self.use_qsa = uses_qsa(vllm_config)
         self.layers = nn.ModuleList(
-            Qwen4ExpDecoderLayer(vllm_config, first + i, f"{prefix}.layers.{first + i}", use_qsa, ATTENTION_LAYER_TYPE)
+            Qwen4ExpDecoderLayer(vllm_config, first + i, f"{prefix}.layers.{first + i}", self.use_qsa, ATTENTION_LAYER_TYPE)
             for i in range(getattr(config, "mtp_num_hidden_layers", 1))
         )
         self.hyper_connection_mixer = GatedResidual(config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False)
