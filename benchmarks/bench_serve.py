@@ -8,6 +8,10 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
   vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
   vllm_gpu_bf16      vLLM's own class, BF16 tables in GPU memory
+  host_int8_mtp      host_int8 with MTP speculative decoding (3 draft tokens) from an `mtp.*` head that
+                     follows the synthetic target (`tiny.add_mtp_head(follow_target=True)`: drafts accepted
+                     about as often as a trained head's would be: the acceptance rate is reported)
+  host_int8_hot_rows host_int8 with a 1 GiB GPU hot-row cache filled from served traffic
 Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
 run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes.
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
@@ -33,6 +37,8 @@ VARIANTS = {
     "host_int8_serial": ({"QWEN4_EXP_HCU_PREFETCH": "0"}, {}, "int8"),
     "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
+    "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
+    "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
     "vllm_host_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"hf_overrides": {"output_gate_type": "silu"}}, "bf16"),
     "vllm_gpu_bf16": (
         {"QWEN4_EXP_HCU_DISABLE": "1"},
@@ -118,7 +124,8 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(model=checkpoint, **ENGINE, **engine)
+    additional_config = {**ENGINE["additional_config"], **engine.get("additional_config", {})}
+    llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config}, disable_log_stats=False)
     startup = time.monotonic() - t0
     gen = torch.Generator().manual_seed(0)
 
@@ -152,19 +159,34 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool) -> None:
         "bytes": llm.apply_model(tensor_bytes)[0],
         "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
         "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+        **spec_decode_counters(llm),
         **({"decode_profile": profiles} if profile else {}),
     }  # fmt: skip
     Path(out).write_text(json.dumps(result))
     os._exit(0)  # skip vLLM's interpreter teardown
 
 
-def write_checkpoint(workdir: Path) -> tuple[Path, Path]:
-    from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
+def spec_decode_counters(llm) -> dict:
+    """Drafts and accepted drafts over the whole run (empty without speculation)."""
+    c = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+         if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}  # fmt: skip
+    if not c.get("num_draft_tokens"):
+        return {}
+    return {"spec_decode": {**c, "acceptance_rate": c["num_accepted_tokens"] / c["num_draft_tokens"]}}
 
-    int8 = workdir / "bench-int8"
+
+def write_checkpoints(workdir: Path) -> dict[str, Path]:
+    """Checkpoint by kind: int8 (the quantizer leaves its BF16 source beside it), int8 with an MTP head, bf16."""
+    import shutil
+
+    from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_int8_checkpoint
+
+    int8, mtp = workdir / "bench-int8", workdir / "bench-int8-mtp"
     if not (int8 / "config.json").exists():
         make_tiny_int8_checkpoint(int8, **MODEL)
-    return int8, int8.with_name(f"{int8.name}-bf16")
+    if not (mtp / "config.json").exists():
+        add_mtp_head(shutil.copytree(int8, mtp, dirs_exist_ok=True), follow_target=True)
+    return {"int8": int8, "int8_mtp": mtp, "bf16": int8.with_name(f"{int8.name}-bf16")}
 
 
 def versions() -> dict:
@@ -206,10 +228,13 @@ def plot(results: dict, path: Path) -> None:
 
 
 def write_results(results: dict, out: Path) -> None:
+    """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "bench_serve.json").exists():
+        results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
-    for name in ("host_int8", "host_int8_serial"):
-        for ref in ("gpu_int8", "vllm_host_bf16"):
+    for name in ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows"):
+        for ref in ("host_int8", "gpu_int8", "vllm_host_bf16"):
             if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
                 ratios[f"{name}/{ref}"] = {
                     b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
@@ -244,11 +269,11 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    int8, bf16 = write_checkpoint(workdir)
-    print(f"checkpoint written in {time.monotonic() - t0:.0f} s", flush=True)
+    checkpoints = write_checkpoints(workdir)
+    print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
     results = {}
     for name in args.variants:
-        checkpoint = int8 if VARIANTS[name][2] == "int8" else bf16
+        checkpoint = checkpoints[VARIANTS[name][2]]
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
         cmd += ["--profile"] if args.profile else []

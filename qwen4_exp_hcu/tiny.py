@@ -143,10 +143,15 @@ def make_tiny_checkpoint(
 
 
 @torch.no_grad()
-def add_mtp_head(path: str | Path, seed: int = 1) -> Path:
-    """Give the checkpoint at `path` a random MTP head as releases store it (`mtp.*`, one attention + MoE
-    layer; `mtp_num_hidden_layers: 1`): its layer and mixer are the model's last attention layer and final
-    mixer plus noise, its norms and fc projections random."""
+def add_mtp_head(path: str | Path, seed: int = 1, follow_target: bool = False) -> Path:
+    """Give the checkpoint at `path` an MTP head as releases store it (`mtp.*`, one attention + MoE layer;
+    `mtp_num_hidden_layers: 1`): its layer and mixer are the model's last attention layer and final mixer
+    plus noise, its norms and fc projections random. Random drafts are almost always rejected.
+
+    `follow_target`: a head whose drafts get accepted. A tiny random model's greedy token follows its last
+    token (the embedding dominates the streams), so a head that ignores the target's streams (`fc_hidden`
+    zero) and feeds the next token's embedding through unchanged (`fc_embedding` identity, the norm scaled
+    back to the embeddings' RMS) drafts what the target will decode."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -169,6 +174,11 @@ def add_mtp_head(path: str | Path, seed: int = 1) -> Path:
     head["mtp.fc_hidden.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
     head["mtp.pre_fc_norm_embedding.weight"] = (0.1 * torch.randn(H, generator=gen)).to(torch.bfloat16)
     head["mtp.pre_fc_norm_hidden.weight"] = (0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
+    if follow_target:
+        embed = weights[f"{prefix}embed_tokens.weight"].float()
+        head["mtp.fc_hidden.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
+        head["mtp.fc_embedding.weight"] = torch.eye(H, dtype=torch.bfloat16)
+        head["mtp.pre_fc_norm_embedding.weight"] = embed.pow(2).mean(-1).sqrt().mean().expand(H).to(torch.bfloat16)
     save_file({**weights, **head}, path / "model.safetensors", metadata={"format": "pt"})
     text["mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,14 +1,18 @@
-"""dp_shared_memory: DP replicas on one node share one host copy of each PLE table (gloo processes on CPU).
+"""dp_shared_memory: DP replicas on one node share one host copy of each PLE table.
 
 The first rank of the sharing group creates and fills a /dev/shm file per table tensor; the others map it.
-Checked: every rank maps the same file (its name shows in /proc/self/maps), only the first rank copies
-checkpoint rows, every rank's lookups and forward equal a private (unshared) layer's bit for bit, and no
-file is left in /dev/shm once the tables exist (names are unlinked as soon as every rank mapped them).
+Checked on the CPU (3 gloo processes) and on 2 GPUs (one process per GPU, the tables read over UVA by the
+fused kernel): every rank maps the same file (same name and inode in /proc/self/maps: one copy of the
+memory on the node), only the first rank copies checkpoint rows, every rank's lookups and forward equal a
+private (unshared) layer's bit for bit, and no file is left in /dev/shm once the tables exist (names are
+unlinked as soon as every rank mapped them). On the GPU each process has also registered its mapping for
+UVA (a second registration is refused as already registered).
 """
 
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,42 +23,78 @@ from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
 
-WORLD = 3
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
-def _worker(rank, world, tmp, run):
+def _shared_mappings(run: str) -> dict[str, str]:
+    """This process's mappings of the run's files: name -> inode."""
+    found = {}
+    for line in open("/proc/self/maps").read().splitlines():
+        if f"{run}-" in line:
+            fields = line.split()
+            found[fields[5]] = fields[4]  # path (then "(deleted)" once unlinked), inode
+    return found
+
+
+def _worker(rank, world, tmp, run, on_gpu):
     torch.set_num_threads(1)
     init_process_group("gloo", rank, world, tmp)
+    dev = torch.device(f"cuda:{rank}" if on_gpu else "cpu")
+    if on_gpu:
+        torch.cuda.set_device(dev)
     cfg = tiny_text_config()
     sd = random_ple_state_dict(cfg, 1, True, seed=4)
-    shared = PLELayer.from_state_dict(
-        cfg, 1, sd, table_format="int8", host_table=True, dtype=torch.float32, shared_host=SharedHost(TorchGroup(), run)
-    )
-    private = PLELayer.from_state_dict(cfg, 1, sd, table_format="int8", host_table=True, dtype=torch.float32)
-    maps = open("/proc/self/maps").read()
-    ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(rank))
+    kw = dict(table_format="int8", host_table=True, dtype=torch.float32, device=dev)
+    shared = PLELayer.from_state_dict(cfg, 1, sd, shared_host=SharedHost(TorchGroup(), run), **kw)
+    private = PLELayer.from_state_dict(cfg, 1, sd, **kw)
+    mappings = _shared_mappings(run)
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(rank)).to(dev)
     batch = PLEBatch.from_lengths(ids, [6, 3], [0, 1], [False, False])
-    hs = torch.randn(9, cfg.hidden_size * cfg.hc_count, generator=torch.Generator().manual_seed(10 + rank))
-    states = [PLEState.zeros(private.state_shapes(), 2, torch.float32) for _ in range(2)]
+    hs = torch.randn(9, cfg.hidden_size * cfg.hc_count, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
+    states = [PLEState.zeros(private.state_shapes(), 2, torch.float32, dev) for _ in range(2)]
     dist.barrier()
+    weight, scale = shared.table.weight, shared.table.scale
     result = {
-        "maps_shared_files": sorted({line.split()[-2] if line.endswith("(deleted)") else line.split()[-1]
-                                     for line in maps.splitlines() if f"{run}-" in line}),  # fmt: skip
-        "tables_equal": torch.equal(shared.table.weight, private.table.weight) and torch.equal(shared.table.scale, private.table.scale),
+        "maps_shared_files": sorted(mappings),
+        "inodes": sorted(set(mappings.values())),
+        "host_resident": weight.device.type == "cpu" and scale.device.type == "cpu",
+        "tables_equal": torch.equal(weight, private.table.weight) and torch.equal(scale, private.table.scale),
         "outputs_equal": torch.equal(shared.lookup(batch, states[0]), private.lookup(batch, states[1]))
         and torch.equal(shared(hs, batch, states[0]), private(hs, batch, states[1])),
         "left_in_shm": sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run)),
     }
+    if on_gpu:
+        cudart = torch.cuda.cudart()
+        result["registered"] = [
+            int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)) == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            for t in (weight, scale)
+        ]
     dist.barrier()
     dist.destroy_process_group()
     write_result(tmp, rank, result)
 
 
-def test_dp_replicas_share_one_host_copy(tmp_path):
-    run = f"qwen4hcu-test-{os.getpid()}-{time.monotonic_ns()}"
-    results = spawn_workers(_worker, WORLD, tmp_path / "run", run)
+def _check_one_copy(results, run):
     files = [f"{SHM_DIR}/{run}-ple1-{part}" for part in ("scale", "weight")]
     for r in results:
         assert r["maps_shared_files"] == files, r["maps_shared_files"]  # the same two files in every rank
-        assert r["tables_equal"] and r["outputs_equal"]
+        assert r["inodes"] == results[0]["inodes"] and len(r["inodes"]) == 2  # ... the same memory objects
+        assert r["host_resident"] and r["tables_equal"] and r["outputs_equal"]
         assert r["left_in_shm"] == []  # unlinked once mapped: nothing to leak
+
+
+def _run_name() -> str:
+    return f"qwen4hcu-test-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def test_dp_replicas_share_one_host_copy(tmp_path):
+    run = _run_name()
+    _check_one_copy(spawn_workers(_worker, 3, tmp_path / "run", run, False), run)
+
+
+@pytest.mark.multi_gpu
+def test_dp_replicas_on_two_gpus_share_one_registered_host_copy(tmp_path):
+    run = _run_name()
+    results = spawn_workers(_worker, 2, tmp_path / "run", run, True, start_method="spawn")
+    _check_one_copy(results, run)
+    assert all(r["registered"] == [True, True] for r in results)

