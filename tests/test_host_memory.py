@@ -6,7 +6,7 @@ fused kernel): every rank maps the same file (same name and inode in /proc/self/
 memory on the node), only the first rank copies checkpoint rows, every rank's lookups and forward equal a
 private (unshared) layer's bit for bit, and no file is left in /dev/shm once the tables exist (names are
 unlinked as soon as every rank mapped them). On the GPU each process has also registered its mapping for
-UVA (a second registration is refused as already registered).
+UVA (unregistering its table succeeds).
 """
 
 import os
@@ -22,9 +22,6 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
-
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
-
 
 def _shared_mappings(run: str) -> dict[str, str]:
     """This process's mappings of the run's files: name -> inode."""
@@ -63,10 +60,10 @@ def _worker(rank, world, tmp, run, on_gpu):
         and torch.equal(shared(hs, batch, states[0]), private(hs, batch, states[1])),
         "left_in_shm": sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run)),
     }
-    if on_gpu:
+    if on_gpu:  # registered: unregistering succeeds (then register again; no error is left behind)
         cudart = torch.cuda.cudart()
         result["registered"] = [
-            int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)) == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            int(cudart.cudaHostUnregister(t.data_ptr())) == 0 and int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)) == 0
             for t in (weight, scale)
         ]
     dist.barrier()
