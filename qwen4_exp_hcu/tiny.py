@@ -170,15 +170,16 @@ def add_mtp_head(path: str | Path, seed: int = 1, follow_target: bool = False) -
         for src, dst in ((f"{prefix}layers.{last}.", "mtp.layers.0."), (f"{prefix}hyper_connection_mixer.", "mtp.hyper_connection_mixer.")):
             if key.startswith(src) and ".ple." not in key:
                 head[dst + key[len(src):]] = noisy(t)
-    head["mtp.fc_embedding.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
-    head["mtp.fc_hidden.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
-    head["mtp.pre_fc_norm_embedding.weight"] = (0.1 * torch.randn(H, generator=gen)).to(torch.bfloat16)
-    head["mtp.pre_fc_norm_hidden.weight"] = (0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
     if follow_target:
         embed = weights[f"{prefix}embed_tokens.weight"].float()
-        head["mtp.fc_hidden.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
         head["mtp.fc_embedding.weight"] = torch.eye(H, dtype=torch.bfloat16)
+        head["mtp.fc_hidden.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
         head["mtp.pre_fc_norm_embedding.weight"] = embed.pow(2).mean(-1).sqrt().mean().expand(H).to(torch.bfloat16)
+    else:
+        head["mtp.fc_embedding.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
+        head["mtp.fc_hidden.weight"] = (torch.randn(H, H, generator=gen) / H**0.5).to(torch.bfloat16)
+        head["mtp.pre_fc_norm_embedding.weight"] = (0.1 * torch.randn(H, generator=gen)).to(torch.bfloat16)
+    head["mtp.pre_fc_norm_hidden.weight"] = (0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
     save_file({**weights, **head}, path / "model.safetensors", metadata={"format": "pt"})
     text["mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -416,7 +416,7 @@ class PLEBlock(nn.Module, MambaBase):
             "data_ptr": t.weight.data_ptr(),
             "describe": t.describe(),
             "hot_rows": None if t.hot is None else {
-                "slots": t.hot.rows.shape[0], "filled": int((t.hot.slot_row >= 0).sum()),
+                "slots": t.hot.rows.shape[0], "filled": t.hot.filled,
                 "refreshes": t.hot.refreshes, "bytes": t.hot.nbytes,
             },
         }  # fmt: skip
