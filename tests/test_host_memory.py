@@ -6,7 +6,9 @@ fused kernel): every rank maps the same file (same name and inode in /proc/self/
 memory on the node), only the first rank copies checkpoint rows, every rank's lookups and forward equal a
 private (unshared) layer's bit for bit, and no file is left in /dev/shm once the tables exist (names are
 unlinked as soon as every rank mapped them). On the GPU each process has also registered its mapping for
-UVA (unregistering its table succeeds).
+UVA (unregistering its table succeeds). Host bytes are measured on a 64 MiB shared tensor: every rank has
+all of it resident (Rss), and the ranks' Pss add up to one copy (private copies per rank add up to `world`
+copies and fail the check).
 """
 
 import os
@@ -31,6 +33,23 @@ def _shared_mappings(run: str) -> dict[str, str]:
             fields = line.split()
             found[fields[5]] = fields[4]  # path (then "(deleted)" once unlinked), inode
     return found
+
+
+MEASURED_BYTES = 64 << 20
+
+
+def _resident_bytes(run: str) -> tuple[int, int]:
+    """(Rss, Pss) in bytes of this process's mappings of the run's files. Pss splits each page among the
+    processes that map it, so the ranks' Pss add up to the host bytes the shared memory takes on the node."""
+    rss = pss = 0
+    ours = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            ours = len(fields) > 5 and f"{run}-" in fields[5]
+        elif ours and fields[0] in ("Rss:", "Pss:"):
+            rss, pss = (rss + int(fields[1]) * 1024, pss) if fields[0] == "Rss:" else (rss, pss + int(fields[1]) * 1024)
+    return rss, pss
 
 
 def _worker(rank, world, tmp, run, on_gpu):
@@ -58,8 +77,16 @@ def _worker(rank, world, tmp, run, on_gpu):
         "tables_equal": torch.equal(weight, private.table.weight) and torch.equal(scale, private.table.scale),
         "outputs_equal": torch.equal(shared.lookup(batch, states[0]), private.lookup(batch, states[1]))
         and torch.equal(shared(hs, batch, states[0]), private(hs, batch, states[1])),
-        "left_in_shm": sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run)),
     }
+    # host bytes on the node, measured on a table-sized tensor (the tiny tables are a few pages)
+    sized = SharedHost(TorchGroup(), f"{run}-sized").empty("rows", (MEASURED_BYTES,), torch.int8)
+    if rank == 0:
+        sized.fill_(1)
+    dist.barrier()
+    result["sized_ok"] = int(sized.sum()) == MEASURED_BYTES  # every rank reads every page
+    dist.barrier()
+    result["rss"], result["pss"] = _resident_bytes(f"{run}-sized")
+    result["left_in_shm"] = sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run))
     if on_gpu:  # registered: unregistering succeeds (then register again; no error is left behind)
         cudart = torch.cuda.cudart()
         result["registered"] = [
@@ -78,6 +105,10 @@ def _check_one_copy(results, run):
         assert r["inodes"] == results[0]["inodes"] and len(r["inodes"]) == 2  # ... the same memory objects
         assert r["host_resident"] and r["tables_equal"] and r["outputs_equal"]
         assert r["left_in_shm"] == []  # unlinked once mapped: nothing to leak
+        assert r["sized_ok"] and r["rss"] == MEASURED_BYTES  # every rank has the whole tensor mapped ...
+    host = sum(r["pss"] for r in results)  # ... and the node holds it once (Pss is rounded to KiB per rank)
+    print(f"SHM-HOST-BYTES {len(results)} ranks x {MEASURED_BYTES} B mapped: the node holds {host} B")
+    assert abs(host - MEASURED_BYTES) <= 1024 * len(results), host
 
 
 def _run_name() -> str:
