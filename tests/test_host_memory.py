@@ -25,6 +25,9 @@ from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
 
+MEASURED_BYTES = 64 << 20  # the shared tensor whose host bytes are measured
+
+
 def _shared_mappings(run: str) -> dict[str, str]:
     """This process's mappings of the run's files: name -> inode."""
     found = {}
@@ -35,21 +38,18 @@ def _shared_mappings(run: str) -> dict[str, str]:
     return found
 
 
-MEASURED_BYTES = 64 << 20
-
-
 def _resident_bytes(run: str) -> tuple[int, int]:
     """(Rss, Pss) in bytes of this process's mappings of the run's files. Pss splits each page among the
     processes that map it, so the ranks' Pss add up to the host bytes the shared memory takes on the node."""
-    rss = pss = 0
+    kib = {"Rss:": 0, "Pss:": 0}
     ours = False
     for line in open("/proc/self/smaps").read().splitlines():
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             ours = len(fields) > 5 and f"{run}-" in fields[5]
-        elif ours and fields[0] in ("Rss:", "Pss:"):
-            rss, pss = (rss + int(fields[1]) * 1024, pss) if fields[0] == "Rss:" else (rss, pss + int(fields[1]) * 1024)
-    return rss, pss
+        elif ours and fields[0] in kib:
+            kib[fields[0]] += int(fields[1])
+    return kib["Rss:"] * 1024, kib["Pss:"] * 1024
 
 
 def _worker(rank, world, tmp, run, on_gpu):
