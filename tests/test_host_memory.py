@@ -28,28 +28,19 @@ from qwen4_exp_hcu.ple.layer import PLELayer
 MEASURED_BYTES = 64 << 20  # the shared tensor whose host bytes are measured
 
 
-def _shared_mappings(run: str) -> dict[str, str]:
-    """This process's mappings of the run's files: name -> inode."""
-    found = {}
-    for line in open("/proc/self/maps").read().splitlines():
-        if f"{run}-" in line:
-            fields = line.split()
-            found[fields[5]] = fields[4]  # path (then "(deleted)" once unlinked), inode
-    return found
-
-
-def _resident_bytes(run: str) -> tuple[int, int]:
-    """(Rss, Pss) in bytes of this process's mappings of the run's files. Pss splits each page among the
-    processes that map it, so the ranks' Pss add up to the host bytes the shared memory takes on the node."""
-    kib = {"Rss:": 0, "Pss:": 0}
-    ours = False
+def _mappings(run: str) -> dict[str, dict]:
+    """This process's mappings of the run's files (`/proc/self/smaps`): path -> inode, Rss and Pss in
+    bytes. Pss splits each page among the processes that map it, so the ranks' Pss add up to the host
+    bytes the shared memory takes on the node."""
+    found, current = {}, None
     for line in open("/proc/self/smaps").read().splitlines():
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             ours = len(fields) > 5 and f"{run}-" in fields[5]
-        elif ours and fields[0] in kib:
-            kib[fields[0]] += int(fields[1])
-    return kib["Rss:"] * 1024, kib["Pss:"] * 1024
+            current = found.setdefault(fields[5], {"inode": fields[4], "Rss": 0, "Pss": 0}) if ours else None
+        elif current is not None and fields[0] in ("Rss:", "Pss:"):
+            current[fields[0][:-1]] += int(fields[1]) * 1024
+    return found
 
 
 def _worker(rank, world, tmp, run, on_gpu):
@@ -63,7 +54,7 @@ def _worker(rank, world, tmp, run, on_gpu):
     kw = dict(table_format="int8", host_table=True, dtype=torch.float32, device=dev)
     shared = PLELayer.from_state_dict(cfg, 1, sd, shared_host=SharedHost(TorchGroup(), run), **kw)
     private = PLELayer.from_state_dict(cfg, 1, sd, **kw)
-    mappings = _shared_mappings(run)
+    mappings = _mappings(run)
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(rank)).to(dev)
     batch = PLEBatch.from_lengths(ids, [6, 3], [0, 1], [False, False])
     hs = torch.randn(9, cfg.hidden_size * cfg.hc_count, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
@@ -72,7 +63,7 @@ def _worker(rank, world, tmp, run, on_gpu):
     weight, scale = shared.table.weight, shared.table.scale
     result = {
         "maps_shared_files": sorted(mappings),
-        "inodes": sorted(set(mappings.values())),
+        "inodes": sorted({m["inode"] for m in mappings.values()}),
         "host_resident": weight.device.type == "cpu" and scale.device.type == "cpu",
         "tables_equal": torch.equal(weight, private.table.weight) and torch.equal(scale, private.table.scale),
         "outputs_equal": torch.equal(shared.lookup(batch, states[0]), private.lookup(batch, states[1]))
@@ -85,7 +76,8 @@ def _worker(rank, world, tmp, run, on_gpu):
     dist.barrier()
     result["sized_ok"] = int(sized.sum()) == MEASURED_BYTES  # every rank reads every page
     dist.barrier()
-    result["rss"], result["pss"] = _resident_bytes(f"{run}-sized")
+    measured = _mappings(f"{run}-sized").values()
+    result["rss"], result["pss"] = sum(m["Rss"] for m in measured), sum(m["Pss"] for m in measured)
     result["left_in_shm"] = sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run))
     if on_gpu:  # registered: unregistering succeeds (then register again; no error is left behind)
         cudart = torch.cuda.cudart()
