@@ -67,31 +67,41 @@ def quantize_main(src: Path, dst: Path, dequantized: Path, scheme: str = "w8a8")
 
 
 @torch.no_grad()
-def upstream_table_checkpoints(src: Path, dst: Path, oracle: Path, fmt: str) -> Path:
+def upstream_table_checkpoints(src: Path, dst: Path, oracle: Path, fmt: str, scale_dtype=torch.bfloat16) -> Path:
     """`dst`: SRC with its PLE tables in upstream vLLM's `fmt` layout, declared by `ple_embedding_dtype`:
-    `fp8` (e4m3 rows + one fp32 `weight_scale`, written here) or `nvfp4` (packed e2m1 + e4m3 block
-    `weight_scale` + fp32 `weight_scale_2`, written by our quantizer); `oracle`: SRC with the tables'
-    dequantized values."""
+    `fp8` (e4m3 rows + ONE table-level `weight_scale` of `scale_dtype`, [1], as the FP8 release stores it;
+    written here) or `nvfp4` (packed e2m1 + e4m3 block `weight_scale` + ONE table-level fp32 `weight_scale_2`,
+    written by our quantizer); `oracle`: SRC with the tables' dequantized values, computed from the stored
+    codes by compressed-tensors' FP4 decode (NVFP4) and torch's float8 dtype (FP8), not by our dequantizers."""
     import json
     import shutil
 
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from safetensors.torch import load_file, save_file
 
-    from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
     from qwen4_exp_hcu.quantize import quantize_checkpoint
 
     tensors = load_file(src / "model.safetensors")
     tables = [k for k in tensors if ".ngram_embedding.shard_" in k and k.endswith(".weight")]
+    table_scale = {t.rsplit(".shard_", 1)[0] for t in tables}
     if fmt == "nvfp4":
         quantize_checkpoint(src, dst, "nvfp4")
         q = load_file(dst / "model.safetensors")
-        dequantized = {**tensors, **{k: dequantize_nvfp4_rows(q[k], q[k + "_scale"], q[k + "_scale_2"]) for k in tables}}
+
+        def rows(k):
+            packed, block = q[k], q[k + "_scale"].float()
+            values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+            g = q[k.rsplit(".shard_", 1)[0] + ".weight_scale_2"].float()
+            return (values * block.repeat_interleave(16, -1) * g).to(torch.bfloat16)
+
+        dequantized = {**tensors, **{k: rows(k) for k in tables}}
     else:
         amax = max(tensors[k].float().abs().max() for k in tables)
-        scale = (amax / 448).reshape(1)
-        quantized = {**tensors, **{k: (tensors[k].float() / scale).to(torch.float8_e4m3fn) for k in tables}}
-        quantized.update({k + "_scale": scale.clone() for k in tables})
-        dequantized = {**tensors, **{k: dequantize_fp8_rows(quantized[k], scale) for k in tables}}
+        scale = (amax / 448).reshape(1).to(scale_dtype)
+        quantized = {**tensors, **{k: (tensors[k].float() / scale.float()).to(torch.float8_e4m3fn) for k in tables}}
+        quantized.update({f"{t}.weight_scale": scale.clone() for t in table_scale})
+        # upstream's arithmetic: both factors in bf16, one rounding
+        dequantized = {**tensors, **{k: quantized[k].to(torch.bfloat16) * scale.to(torch.bfloat16) for k in tables}}
         shutil.copytree(src, dst)
         save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
         config = json.loads((dst / "config.json").read_text())

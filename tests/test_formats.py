@@ -42,28 +42,30 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState  # noqa: E402
 from qwen4_exp_hcu.ple.layer import PLELayer  # noqa: E402
 
 SHARD = "ple_embedding.ngram_embedding.shard_{}.weight"
+TABLE_SCALE = {"fp8": "ple_embedding.ngram_embedding.weight_scale", "nvfp4": "ple_embedding.ngram_embedding.weight_scale_2"}
 NVFP4_CFG = dict(ple_embed_dim=64)  # 4 heads of 16: one NVFP4 block per head
 
 
-def upstream_layout(sd, fmt, seed=0):
-    """`sd` with every table shard replaced by random rows in upstream's `fmt` layout, and the BF16 copy of
-    the same rows (their dequantized values): (quantized state dict, bf16 state dict)."""
+def upstream_layout(sd, fmt, seed=0, table_scale=None):
+    """`sd` with every table shard replaced by random rows in upstream's `fmt` layout (one table-level scale,
+    bf16 [1] as the FP8 release stores it unless `table_scale` is given), and the BF16 copy of the same rows
+    (their dequantized values): (quantized state dict, bf16 state dict)."""
     g = torch.Generator().manual_seed(seed)
     quantized, bf16 = dict(sd), dict(sd)
+    scale = table_scale if table_scale is not None else torch.tensor([0.03125 if fmt == "fp8" else 0.25], dtype=torch.bfloat16)
+    quantized[TABLE_SCALE[fmt]] = scale
     for j in range(len([k for k in sd if k.endswith(".weight") and ".shard_" in k])):
         rows, d = sd[SHARD.format(j)].shape
         name = SHARD.format(j)
         if fmt == "fp8":
             w = (torch.randn(rows, d, generator=g) * 50).to(torch.float8_e4m3fn)
-            scale = torch.tensor([0.03125])  # one table scale, repeated in every shard
-            quantized[name], quantized[name + "_scale"] = w, scale
+            quantized[name] = w
             bf16[name] = dequantize_fp8_rows(w, scale)
         else:
             packed = torch.randint(0, 256, (rows, d // 2), generator=g, dtype=torch.int32).to(torch.uint8)
             block = (torch.rand(rows, d // 16, generator=g) * 4 + 0.1).to(torch.float8_e4m3fn)
-            scale_2 = torch.tensor([0.25])
-            quantized[name], quantized[name + "_scale"], quantized[name + "_scale_2"] = packed, block, scale_2
-            bf16[name] = dequantize_nvfp4_rows(packed, block, scale_2)
+            quantized[name], quantized[name + "_scale"] = packed, block
+            bf16[name] = dequantize_nvfp4_rows(packed, block, scale)
     return quantized, bf16
 
 
@@ -104,15 +106,55 @@ def test_gpu_upstream_tables_look_up_exactly(fmt, host):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("scale", [torch.tensor([0.25], dtype=torch.bfloat16), torch.tensor(0.25), torch.tensor([0.25], dtype=torch.float16)],
+                         ids=["bf16[1]", "fp32[]", "fp16[1]"])  # fmt: skip
+def test_table_scale_any_float_dtype_and_shape(fmt, scale):
+    """Upstream copies the one table scale into an fp32 parameter: bf16, fp16, fp32, shape [1] or [] all load
+    to the same table."""
+    cfg = tiny_text_config(**NVFP4_CFG)
+    quantized, bf16 = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt, table_scale=scale)
+    ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, dtype=torch.float32)
+    assert ours.table.tensor_scale.tolist() == [0.25]
+    ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
+    ids = torch.arange(cfg.vocab_size)
+    batch = PLEBatch.from_lengths(ids, [cfg.vocab_size], [0], [False])
+    state = lambda: PLEState.zeros(ref.state_shapes(), 1, torch.float32)  # noqa: E731
+    assert torch.equal(ours.lookup(batch, state()), ref.lookup(batch, state()))
+
+
 def test_upstream_table_errors_name_the_tensor():
     cfg = tiny_text_config(**NVFP4_CFG)
     quantized, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), "nvfp4")
     prefix = "model.layers.2.ple."
-    missing = {k: v for k, v in quantized.items() if k != SHARD.format(1) + "_scale_2"}
-    with pytest.raises(ValueError, match=r"shard_1\.weight_scale_2 is missing"):
-        PLELayer.from_state_dict(cfg, 1, {prefix + k: v for k, v in missing.items()}, prefix, table_format="nvfp4")
-    other = dict(quantized, **{SHARD.format(2) + "_scale_2": torch.tensor([0.5])})
-    with pytest.raises(ValueError, match=r"shard_2\.weight_scale_2: 0\.5 differs from the table scale 0\.25"):
-        PLELayer.from_state_dict(cfg, 1, other, table_format="nvfp4")
-    with pytest.raises(ValueError, match=r"shard_0\.weight: a nvfp4 shard cannot be stored as a int8 table"):
+    scale_2 = TABLE_SCALE["nvfp4"]
+    missing = {prefix + k: v for k, v in quantized.items() if k != scale_2}
+    with pytest.raises(ValueError, match=r"layers\.2\.ple\.ple_embedding\.ngram_embedding\.weight_scale_2 is missing"):
+        PLELayer.from_state_dict(cfg, 1, missing, prefix, table_format="nvfp4")
+    for bad, why in ((0.0, "finite and positive"), (-1.0, "finite and positive"), (float("nan"), "finite and positive"),
+                     (float("inf"), "finite and positive")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"ngram_embedding\.weight_scale_2: the table scale must be {why}"):
+            PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([bad])}), table_format="nvfp4")
+    with pytest.raises(ValueError, match=r"weight_scale_2: expected one floating-point scale"):
+        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([0.5, 0.5])}), table_format="nvfp4")
+    with pytest.raises(ValueError, match=r"weight_scale_2: expected one floating-point scale"):
+        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([1], dtype=torch.int32)}), table_format="nvfp4")
+    with pytest.raises(ValueError, match=r"weight_scale_2: a table-level scale in a table the checkpoint's config declares int8"):
         PLELayer.from_state_dict(cfg, 1, quantized, table_format="int8")
+    with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.uint8 shard in a table the checkpoint's config declares int8"):
+        PLELayer.from_state_dict(cfg, 1, {k: v for k, v in quantized.items() if k != scale_2}, table_format="int8")
+    fp8, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), "fp8")
+    with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.float8_e4m3fn shard in a table the checkpoint's config declares bf16"):
+        PLELayer.from_state_dict(cfg, 1, fp8, table_format="bf16")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_old_per_shard_scales_fail_with_how_to_convert(fmt):
+    """Our earlier writer put a copy of the table scale in every shard; such a checkpoint must not load
+    (silently or otherwise): the error names the tensor and the command that converts it."""
+    cfg = tiny_text_config(**NVFP4_CFG)
+    quantized, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt)
+    old = {k: v for k, v in quantized.items() if k != TABLE_SCALE[fmt]}
+    old[SHARD.format(0) + ("_scale" if fmt == "fp8" else "_scale_2")] = torch.tensor([0.25])
+    with pytest.raises(ValueError, match=r"shard_0\.weight_scale(_2)?: a per-shard table scale.*python -m qwen4_exp_hcu\.quantize"):
+        PLELayer.from_state_dict(cfg, 1, old, table_format=fmt)

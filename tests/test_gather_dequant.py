@@ -23,7 +23,8 @@ def random_table(fmt, n, d, g):
         packed = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.int32).to(torch.uint8)
         return packed, _e4m3((n, d // 16), g, positive=True), torch.rand(1, generator=g) * 2 + 1e-3
     if fmt == "fp8":
-        return _e4m3((n, d), g), torch.rand(1, generator=g) * 4 + 1e-3, None
+        # a bf16-valued fp32 scale, as PLETable.set_table_scale stores it (upstream's bf16 arithmetic)
+        return _e4m3((n, d), g), (torch.rand(1, generator=g) * 4 + 1e-3).bfloat16().float(), None
     w = torch.randn(n, d, generator=g).to(torch.bfloat16)
     return (*quantize_rows(w), None) if fmt == "int8" else (w, None, None)
 

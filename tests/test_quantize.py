@@ -245,13 +245,14 @@ def test_main_model_quantization_config_is_kept_and_merged(tmp_path):
 
 def test_other_main_methods_keep_their_config_and_gain_a_ple_entry(tmp_path):
     """`quant_method: fp8` (or any non-compressed-tensors method) stays as it is; the PLE tables are
-    declared under `ple_tables` beside it."""
+    declared under `ple_tables` beside it, and, for `fp8`, listed as not converted (upstream reads an FP8
+    checkpoint's table as FP8 unless `modules_to_not_convert` names it)."""
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
     (src / "config.json").write_text(json.dumps({"quantization_config": fp8}))
     main([str(src), str(tmp_path / "dst")])
     written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert written == {**fp8, "ple_tables": ple_quantization_config()}
+    assert written == {**fp8, "modules_to_not_convert": [PLE], "ple_tables": ple_quantization_config()}
 
 
 # ModelOpt <= 0.29 writes its config only to hf_quant_config.json (vLLM reads it when config.json has none)
@@ -294,8 +295,8 @@ def test_upstream_fp8_and_nvfp4_tables_become_int8(tmp_path, fmt):
 
 
 def test_nvfp4_output_is_upstreams_layout(tmp_path):
-    """`--format nvfp4`: packed e2m1 rows, e4m3 block scales and one fp32 scale per table (the same in
-    each of its shards, from the table's largest value); no quantization config is added, the text config
+    """`--format nvfp4`: packed e2m1 rows, e4m3 block scales and ONE fp32 `...ngram_embedding.weight_scale_2`
+    per table (from the table's largest value); no quantization config is added, the text config
     declares `ple_embedding_dtype: nvfp4`; the rows dequantize to what `quantize_nvfp4_rows` gives and
     stay within NVFP4's error of the source."""
     from qwen4_exp_hcu.ple.formats import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
@@ -309,15 +310,67 @@ def test_nvfp4_output_is_upstreams_layout(tmp_path):
     tables = {}
     for name in (k for k in before if k.endswith(".weight") and ".ngram_embedding.shard_" in k):
         tables.setdefault(name.rsplit(".shard_", 1)[0], []).append(name)
-    for shards in tables.values():
+    for table, shards in tables.items():
         scale = nvfp4_tensor_scale(max(before[n].float().abs().max().item() for n in shards))
+        assert torch.equal(after[table + ".weight_scale_2"], scale)
         for name in shards:
             packed, block = quantize_nvfp4_rows(before[name], scale)
             assert after[name].dtype == torch.uint8 and torch.equal(after[name], packed)
             assert torch.equal(after[name + "_scale"].view(torch.uint8), block.view(torch.uint8))
-            assert torch.equal(after[name + "_scale_2"], scale)
-            rows = dequantize_nvfp4_rows(after[name], after[name + "_scale"], after[name + "_scale_2"]).float()
+            assert name + "_scale_2" not in after  # one scale per table, upstream's layout
+            rows = dequantize_nvfp4_rows(after[name], after[name + "_scale"], after[table + ".weight_scale_2"]).float()
             err = (rows - before[name].float()).abs().mean() / before[name].float().abs().mean()
             assert err < 0.15, err
     others = [k for k in before if ".ngram_embedding." not in k]
     assert all(torch.equal(before[k], after[k]) for k in others)
+
+
+def fp8_release_source(tmp_path: Path, scale: dict) -> Path:
+    """A PLE table as Qwen's FP8 release stores and declares it: e4m3 shards, `scale` (the table-level
+    `weight_scale` and/or old per-shard copies), `quant_method: fp8` naming it in `modules_to_convert`."""
+    rows = torch.tensor([[1.0, -2.0, 0.5, 448.0] * 4, [0.0, 3.0, -0.25, 8.0] * 4]).to(torch.float8_e4m3fn)
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": rows, f"{PLE}.shard_1.weight": rows[:1].clone(), **scale})
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_convert": ["ple.ple_embedding.ngram_embedding"],
+           "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    (src / "config.json").write_text(json.dumps({"quantization_config": fp8}))
+    return src
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_fp8_release_tables_are_converted_and_redeclared(tmp_path, fmt):
+    """The release's one bf16 table scale dequantizes every shard (upstream's bf16 arithmetic); the FP8
+    declaration is taken back (`modules_to_not_convert`) and the written format declared instead."""
+    from qwen4_exp_hcu.ple.declaration import declared_table_format
+
+    scale = torch.tensor([0.0625], dtype=torch.bfloat16)
+    src = fp8_release_source(tmp_path, {f"{PLE}.weight_scale": scale})
+    main([str(src), str(tmp_path / "dst"), "--format", fmt])
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    after, before = load_file(tmp_path / "dst" / "model.safetensors"), load_file(src / "model.safetensors")
+    assert config["quantization_config"]["modules_to_convert"] == []
+    assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head", PLE]
+    text = type("Text", (), {"ple_embedding_dtype": config.get("ple_embedding_dtype")})()
+    assert declared_table_format(text, config["quantization_config"], [PLE]) == fmt
+    assert f"{PLE}.weight_scale" not in after
+    if fmt == "int8":
+        q, s = quantize_rows(before[f"{PLE}.shard_0.weight"].to(torch.bfloat16) * scale)
+        assert torch.equal(after[f"{PLE}.shard_0.weight"], q) and torch.equal(after[f"{PLE}.shard_0.weight_scale"], s)
+    else:
+        assert after[f"{PLE}.weight_scale_2"].shape == (1,)
+
+
+@pytest.mark.parametrize(
+    "scale, message",
+    [
+        ({}, rf"{PLE}\.weight_scale: missing, the one scale of the F8_E4M3 PLE table"),
+        ({f"{PLE}.shard_0.weight_scale": torch.ones(1), f"{PLE}.shard_1.weight_scale": torch.ones(1)},
+         rf"{PLE}\.shard_0\.weight_scale: an earlier qwen4_exp_hcu layout .* quantize from the BF16 checkpoint"),
+    ],
+    ids=["no table scale", "old per-shard scales"],
+)  # fmt: skip
+def test_fp8_sources_without_the_table_scale_are_refused(tmp_path, capsys, scale, message):
+    src = fp8_release_source(tmp_path, scale)
+    with pytest.raises(SystemExit):
+        main([str(src), str(tmp_path / "dst")])
+    assert re.search(message, capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["src"]

@@ -101,14 +101,16 @@ def test_wrong_main_scales_are_caught(checkpoints, oracle):
     assert errs.mean() > LOGPROB_MEAN_TOL or errs.max() > LOGPROB_MAX_TOL
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_upstream_fp8_and_nvfp4_tables_served(fmt, tmp_path_factory):
-    """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`) are served as they are
-    (kept packed, dequantized inside the lookup) and match transformers on their dequantized rows."""
+@pytest.mark.parametrize("fmt, scale_dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("nvfp4", None)],
+                         ids=["fp8-bf16-scale", "fp8-fp32-scale", "nvfp4"])  # fmt: skip
+def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tmp_path_factory):
+    """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`, one table-level scale) are
+    served as they are (kept packed, dequantized inside the lookup) and match transformers on their
+    dequantized rows (decoded by torch's float8 dtype and compressed-tensors' FP4 helpers)."""
     from main_quant import upstream_table_checkpoints
 
     root = tmp_path_factory.mktemp(fmt)
-    served = upstream_table_checkpoints(make_tiny_checkpoint(root / "bf16"), root / fmt, root / "oracle", fmt)
+    served = upstream_table_checkpoints(make_tiny_checkpoint(root / "bf16"), root / fmt, root / "oracle", fmt, scale_dtype)
     oracle = reference_greedy(root / "oracle", PROMPTS, MAX_NEW_TOKENS)
     llm = start_engine(served)
     try:

@@ -8,6 +8,7 @@ or indexed attention → mlp hyper-connection → sparse MoE with a gated shared
 """
 
 import copy
+import re
 from collections.abc import Iterable
 
 import torch
@@ -32,7 +33,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from qwen4_exp_hcu.env import prefetch_enabled
-from qwen4_exp_hcu.names import ple_layers
+from qwen4_exp_hcu.names import SKIPPED, SKIPPED_WITHOUT_QSA, ple_layers
 
 from .attention import (
     DenseGatedAttention,
@@ -56,9 +57,10 @@ _STACKED = {
     ".in_proj_b": (".in_proj_ba", 0),
     ".in_proj_a": (".in_proj_ba", 1),
 }
-# Multimodal checkpoints nest the text model; MTP and vision weights belong to other models
-# (`multimodal.Qwen4ExpForConditionalGeneration` hands this class its text part only).
-_PREFIXES = {"model.language_model.": "model.", "mtp.": None, "model.visual.": None}
+# Multimodal checkpoints nest the text model; vision weights belong to the tower, which this class lacks
+# (`multimodal.Qwen4ExpForConditionalGeneration` hands this class its text part only). What else is not loaded,
+# and why: `names.SKIPPED`.
+_PREFIXES = {"model.language_model.": "model.", "model.visual.": None}
 
 
 # Speculators whose drafts come without a draft model (only the verification runs through our layers), and
@@ -230,8 +232,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked=_STACKED,
         orig_to_new_prefix=_PREFIXES,
-        # the final mixer collapses the streams without injecting (transformers: use_combine=False)
-        orig_to_new_suffix={"hyper_connection_mixer.block_inject_weight.weight": None},
+        orig_to_new_regex={re.compile(pattern): None for pattern in SKIPPED},
     )
     # Fused layer -> its checkpoint parts, for quantization configs that name the parts.
     packed_modules_mapping = {
@@ -282,9 +283,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         mapper = self.hf_to_vllm_mapper
         if not self.model.use_qsa:
             # Dense attention equals QSA within the budget; the indexer weights are not needed.
-            mapper = mapper | WeightsMapper(orig_to_new_substr={".self_attn.indexer.": None})
+            mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
         blocks = self.model.ple_blocks
-        parts = {"bf16": 1, "int8": 2, "fp8": 2, "nvfp4": 3}  # tensors per checkpoint shard
+        parts = {"bf16": 1, "int8": 2, "fp8": 1, "nvfp4": 2}  # tensors per checkpoint shard
         per_layer = self.config.split_ngram_parts * (parts[blocks[0].table.fmt] if blocks else 1)
         with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
             for block in blocks:

@@ -11,6 +11,7 @@ drafter's hidden buffers for that (`hc_mult`, set by vLLM's speculative config f
 Embeddings and lm_head are the target's (vLLM shares them after loading).
 """
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
+from qwen4_exp_hcu.names import MIXER_INJECT, SKIPPED_WITHOUT_QSA
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 from .hyper_connection import GatedResidual
@@ -90,10 +92,11 @@ class Qwen4ExpMTP(nn.Module):
         """The checkpoint's `mtp.*`, embeddings and lm_head; the target's own layers are not ours."""
         mapper = WeightsMapper(
             # dense attention equals QSA within the budget: then the indexer weights are not needed
-            orig_to_new_substr={} if self.model.use_qsa else {".self_attn.indexer.": None},
+            orig_to_new_regex={
+                re.compile(p): None for p in (MIXER_INJECT, *(() if self.model.use_qsa else SKIPPED_WITHOUT_QSA))
+            },
             orig_to_new_stacked=_STACKED,
             orig_to_new_prefix={"mtp.": "model.", "model.language_model.": "model."},
-            orig_to_new_suffix={"hyper_connection_mixer.block_inject_weight.weight": None},
         )
         ours = ("mtp.", "model.embed_tokens.", "model.language_model.embed_tokens.", "lm_head.")
         return AutoWeightsLoader(self).load_weights(((n, t) for n, t in weights if n.startswith(ours)), mapper=mapper)

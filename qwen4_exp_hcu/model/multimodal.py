@@ -43,7 +43,7 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
             "model.visual.": "visual.",
             "model.language_model.": "language_model.model.",
             "lm_head.": "language_model.lm_head.",
-            "mtp.": None,  # the MTP draft model's
+            "mtp.": "language_model.mtp.",  # the text model skips it (`names.SKIPPED`): the MTP draft model's
         }
     )
     packed_modules_mapping = Qwen4ExpForCausalLM.packed_modules_mapping | {"qkv": ["qkv"]}  # the tower's fused qkv

@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from qwen4_exp_hcu.names import LAYER_PARAMS, SHARD, TABLE, ple_layers
+from qwen4_exp_hcu.names import LAYER_PARAMS, SHARD, ple_layers
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import state_shapes
 
@@ -189,29 +189,13 @@ def dp_shared_host(vllm_config: VllmConfig, table_format: str):
     return SharedHost(group, run)
 
 
-# upstream vLLM's `ple_embedding_dtype` config field -> our storage format of the checkpoint's tables
-_UPSTREAM_TABLE_DTYPES = {"float8_e4m3fn": "fp8", "nvfp4": "nvfp4"}
-
-
 def ple_table_format(vllm_config: VllmConfig) -> str:
-    """How the checkpoint stores its PLE tables: our INT8 rows (declared in its quantization config),
-    upstream's FP8 / NVFP4 layouts (its `ple_embedding_dtype`), else BF16."""
-    if checkpoint_has_int8_tables(vllm_config):
-        return "int8"
-    dtype = getattr(vllm_config.model_config.hf_text_config, "ple_embedding_dtype", None)
-    if dtype is not None and dtype not in _UPSTREAM_TABLE_DTYPES:
-        raise ValueError(f"ple_embedding_dtype={dtype!r} is not supported; expected one of {sorted(_UPSTREAM_TABLE_DTYPES)}.")
-    return _UPSTREAM_TABLE_DTYPES.get(dtype, "bf16")
-
-
-def checkpoint_has_int8_tables(vllm_config: VllmConfig) -> bool:
-    """Whether the checkpoint declares its PLE tables as INT8 rows (validated, every table or none)."""
-    from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_tables_config
+    """How the checkpoint declares its PLE tables (`ple.declaration`): INT8, FP8, NVFP4 or BF16."""
+    from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
 
     config = vllm_config.model_config.hf_text_config
     qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
-    names = [f"{index.prefix}{TABLE}" for index in ple_layers(config)]
-    return ple_int8_scheme(ple_tables_config(qconfig), names)
+    return declared_table_format(config, qconfig, table_names(config))
 
 
 # ---- the step batch -------------------------------------------------------------------------------------

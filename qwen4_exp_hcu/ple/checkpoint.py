@@ -1,7 +1,8 @@
 """Build PLE layers straight from a transformers-format checkpoint directory (notebooks, benchmarks).
 
 Tensors are read one at a time with safetensors (no pickle), so PLE shards stream into the table's
-final storage; BF16 and INT8 (compressed-tensors) checkpoints alike.
+final storage; BF16, INT8 (compressed-tensors) and upstream's FP8 / NVFP4 layouts alike, declared as the
+checkpoint's config declares them (`ple.declaration`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from qwen4_exp_hcu.names import ple_layers
-from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme
+from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
 from qwen4_exp_hcu.ple.layer import PLELayer
 
 
@@ -24,14 +25,15 @@ def text_config_of(checkpoint: str | Path):
 
 def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
     """The PLE layer of 1-indexed decoder layer `layer_id` (as in `ple_layer_ids`); `kw` go to PLELayer
-    (device, host_table, etp_group, across_dp, dtype). INT8 storage follows the checkpoint's scheme."""
+    (device, host_table, etp_group, across_dp, dtype). The storage format is the checkpoint's, unless
+    `table_format` asks for BF16 <-> INT8 on the fly."""
     checkpoint = Path(checkpoint)
     cfg = text_config_of(checkpoint)
     index = next((i for i in ple_layers(cfg) if i.layer_id == layer_id), None)
     if index is None:
         raise ValueError(f"decoder layer {layer_id} has no PLE (ple_layer_ids={cfg.ple_layer_ids}).")
     raw = json.loads((checkpoint / "config.json").read_text())
-    stored = "int8" if ple_int8_scheme(raw.get("quantization_config")) else "bf16"
+    stored = declared_table_format(cfg, raw.get("quantization_config"), table_names(cfg))
     layer = PLELayer(cfg, index.ple, table_format=kw.pop("table_format", stored), **kw)
     prefix = index.prefix
     for file in sorted(checkpoint.glob("*.safetensors")):

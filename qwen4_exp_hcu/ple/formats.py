@@ -1,11 +1,13 @@
-"""PLE table row formats besides INT8 (`int8`), as upstream vLLM writes them, with their torch references.
+"""PLE table row formats besides INT8 (`int8`), in upstream vLLM's checkpoint layout, with their torch references.
 
-* `fp8`: float8 e4m3 rows, one fp32 scale for the whole tensor: `w = e4m3 * scale`.
-* `nvfp4`: e2m1 values packed two per byte (`weight` uint8 `[rows, d/2]`, low nibble = even column),
-  one e4m3 scale per 16 values (`weight_scale` `[rows, d/16]`) and one fp32 `weight_scale_2` for the
-  tensor: `w = (e2m1 * block_scale) * weight_scale_2`, in that order.
+* `fp8`: float8 e4m3 rows (`shard_{j}.weight`) and one scale for the whole table
+  (`ngram_embedding.weight_scale`): `w = bf16(e4m3) * bf16(scale)`, multiplied in bf16 as upstream does.
+* `nvfp4`: e2m1 values packed two per byte (`shard_{j}.weight` uint8 `[rows, d/2]`, low nibble = even
+  column), one e4m3 scale per 16 values (`shard_{j}.weight_scale` `[rows, d/16]`) and one scale for the
+  whole table (`ngram_embedding.weight_scale_2`): `w = (e2m1 * block_scale) * weight_scale_2`, in that order.
 Every dequantization ends with one fp32 -> bf16 rounding (to nearest even), which the fused kernel
-reproduces bit for bit. `quantize_nvfp4_rows` writes the NVFP4 layout (the quantizer's 4-bit output).
+reproduces bit for bit (an e4m3 value times a bf16 scale is exact in fp32). `quantize_nvfp4_rows` writes the
+NVFP4 layout (the quantizer's 4-bit output).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def row_width(weight: torch.Tensor, fmt: str) -> int:
 
 
 def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (weight.float() * scale.float().reshape(())).to(torch.bfloat16)
+    """Upstream's arithmetic: both factors in bf16 (e4m3 -> bf16 is exact; the scale is rounded), one rounding."""
+    return weight.to(torch.bfloat16) * scale.to(torch.bfloat16).reshape(())
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE, UNUSED
+from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE, TABLE_SCALE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
@@ -72,12 +72,13 @@ def _store_window(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, c
     write_state(stored, batch.slot_ids, rows.to(stored.dtype))
 
 
-# the scales a table shard comes with, by its weight's dtype (BF16/F32 shards have none)
-_SHARD_PARTS = {
-    torch.int8: {"weight_scale"},
-    torch.float8_e4m3fn: {"weight_scale"},
-    torch.uint8: {"weight_scale", "weight_scale_2"},
-}
+# the scales a table shard comes with, by its weight's dtype (BF16/F32 and FP8 shards have none)
+_SHARD_PARTS = {torch.int8: {"weight_scale"}, torch.uint8: {"weight_scale"}}
+_OLD_LAYOUT = (
+    "qwen4_exp_hcu <= 2026-11 wrote a copy of the table scale per shard; upstream vLLM and the releases keep one "
+    "per table (`...ngram_embedding.weight_scale` for FP8, `weight_scale_2` for NVFP4). Re-quantize from the BF16 "
+    "checkpoint: python -m qwen4_exp_hcu.quantize BF16_SRC DST --format nvfp4"
+)
 
 
 class _Conv1dWeight(nn.Module):
@@ -229,8 +230,13 @@ class PLELayer(nn.Module):
         are skipped; anything else is an error naming the tensor."""
         if UNUSED.search(name):
             return
-        if m := SHARD.search(name):
-            self._load_shard(int(m.group(1)), m.group(2), tensor, f"{prefix}{name}")
+        if TABLE_SCALE.search(name):
+            self.table.set_table_scale(tensor, f"{prefix}{name}")
+        elif m := SHARD.search(name):
+            kind = m.group(2)
+            if kind == "weight_scale_2" or (kind == "weight_scale" and self.table.fmt == "fp8"):
+                raise ValueError(f"{prefix}{name}: a per-shard table scale. {_OLD_LAYOUT}.")
+            self._load_shard(int(m.group(1)), kind, tensor, f"{prefix}{name}")
         elif name.removeprefix("ple_embedding.") in HASH_BUFFERS:
             self.spec.check_buffer(name.removeprefix("ple_embedding."), tensor, f"{prefix}ple_embedding.")
         elif name in LAYER_PARAMS:
@@ -242,16 +248,14 @@ class PLELayer(nn.Module):
             raise ValueError(f"unexpected PLE checkpoint tensor {prefix}{name}.")
 
     def _load_shard(self, j: int, kind: str, tensor: torch.Tensor, full_name: str) -> None:
-        """A shard arrives as its weight plus, by the weight's dtype, its scales (any order): load it once
-        every part is here (int8/fp8: weight_scale; nvfp4 packed bytes: weight_scale + weight_scale_2)."""
+        """A shard arrives as its weight plus, by the weight's dtype, its row scales (any order): load it
+        once every part is here (int8: weight_scale per row; nvfp4 packed bytes: weight_scale per block)."""
         part = self._pending.setdefault(j, {})
         part[kind] = tensor
         if "weight" in part and _SHARD_PARTS.get(part["weight"].dtype, set()) <= part.keys():
             del self._pending[j]
-            self.table.load_shard(
-                j, part["weight"], part.get("weight_scale"), name=full_name.rpartition(".")[0] + ".weight",
-                tensor_scale=part.get("weight_scale_2"),
-            )
+            name = full_name.rpartition(".")[0] + ".weight"
+            self.table.load_shard(j, part["weight"], part.get("weight_scale"), name=name)
 
     def finish_loading(self, prefix: str = "") -> None:
         """After all tensors: every owned shard arrived whole (int8 weights with their scales)."""

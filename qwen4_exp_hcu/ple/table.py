@@ -143,7 +143,8 @@ class PLETable:
         row_scale = {"int8": ((n, 1), torch.bfloat16), "nvfp4": ((n, dim // NVFP4_BLOCK), torch.float8_e4m3fn)}
         scale_alloc = on_device if scales_on_device else alloc
         self.scale = scale_alloc(*row_scale[fmt], "scale") if fmt in row_scale else None
-        # fp8 / nvfp4: one fp32 scale for the whole table (every checkpoint shard must carry the same)
+        # fp8 / nvfp4: one fp32 scale for the whole table (`set_table_scale`)
+        self._scale_name: str | None = None
         self.tensor_scale = (
             torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if fmt in ("fp8", "nvfp4") else None
         )
@@ -185,22 +186,20 @@ class PLETable:
         n_shards = -(-self.rows // self.shard_rows)
         return [j for j in range(n_shards) if max(self._shard_span(j)[0], self.start) < min(self._shard_span(j)[1], self.end)]
 
-    def load_shard(
-        self, j: int, weight: torch.Tensor, scale: torch.Tensor | None = None, name: str = "shard",
-        tensor_scale: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
+    def load_shard(self, j: int, weight: torch.Tensor, scale: torch.Tensor | None = None, name: str = "shard") -> None:
         """Copy the owned rows of checkpoint shard `j` into storage: BF16 (quantized to INT8 when stored
-        so), INT8 with its row scales (dequantized when stored as BF16), FP8 with its table scale, NVFP4
-        with its block scales (`scale`) and table scale (`tensor_scale`, the checkpoint's weight_scale_2)."""
+        so), INT8 with its row scales (dequantized when stored as BF16), FP8 alone (its scale is the
+        table's, `set_table_scale`), NVFP4 with its block scales (`scale`)."""
         lo, hi = self._shard_span(j)
         n = max(hi - lo, 0)
         src = _source_format(weight, name)
-        if src in ("fp8", "nvfp4") and src != self.fmt:
-            raise ValueError(f"{name}: a {src} shard cannot be stored as a {self.fmt} table (convert the checkpoint first).")
-        if src == "bf16" and scale is not None:
-            raise ValueError(f"{name}: a {weight.dtype} weight takes no weight_scale.")
-        if src != "nvfp4" and tensor_scale is not None:
-            raise ValueError(f"{name}: a {weight.dtype} weight takes no weight_scale_2.")
+        if src != self.fmt and {src, self.fmt} != {"bf16", "int8"}:
+            raise ValueError(
+                f"{name}: a {weight.dtype} shard in a table the checkpoint's config declares {self.fmt} "
+                "(the config and the tensors disagree)."
+            )
+        if src in ("bf16", "fp8") and scale is not None:
+            raise ValueError(f"{name}: a {weight.dtype} weight takes no per-shard weight_scale.")
         if src in ("bf16", "fp8") and tuple(weight.shape) != (n, self.dim):
             raise ValueError(f"{name}: shape {tuple(weight.shape)}, expected {(n, self.dim)}.")
         if src == "int8":
@@ -208,15 +207,12 @@ class PLETable:
                 raise ValueError(f"{name}: int8 weight without its weight_scale.")
             validate_int8_weight(weight, n, self.dim, name)
             validate_scale(scale, n, f"{name}_scale")
-        if src == "fp8":
-            tensor_scale = self._check_tensor_scale(scale, f"{name}_scale")
         if src == "nvfp4":
             _validate_nvfp4(weight, scale, n, self.dim, name)
-            tensor_scale = self._check_tensor_scale(tensor_scale, f"{name}_scale_2")
         a, b = max(lo, self.start), min(hi, self.end)
         if a < b and (self.shared is None or self.shared.writer):  # a shared table is filled once
             w = weight[a - lo : b - lo]
-            s = None if scale is None or src == "fp8" else scale[a - lo : b - lo]
+            s = None if scale is None else scale[a - lo : b - lo]
             dst = slice(a - self.start, b - self.start)
             if self.fmt == "int8" and src == "bf16":
                 w, s = quantize_rows(w)
@@ -225,26 +221,31 @@ class PLETable:
             self.weight[dst].copy_(w)
             if s is not None:
                 self.scale[dst].copy_(s)
-        if tensor_scale is not None:
-            self.tensor_scale.copy_(tensor_scale)
         self._loaded.add(j)
 
-    def _check_tensor_scale(self, value: torch.Tensor | None, name: str) -> torch.Tensor:
-        """A table-wide fp32 scale: one finite positive number, the same in every shard."""
-        if value is None or value.numel() != 1 or value.dtype != torch.float32:
-            raise ValueError(f"{name}: expected one float32 scale for the table, got {None if value is None else (value.dtype, tuple(value.shape))}.")
-        value = value.reshape(1).to(self.tensor_scale.device)
-        if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+    def set_table_scale(self, value: torch.Tensor, name: str) -> None:
+        """The one scale of an FP8 (`weight_scale`) or NVFP4 (`weight_scale_2`) table, as upstream stores it:
+        one finite positive number of any float dtype, shape [1] or []. FP8 rows are multiplied in bf16 by
+        the bf16-rounded scale, as upstream dequantizes them (exact for the releases' bf16 scale); NVFP4 in fp32."""
+        if self.tensor_scale is None:
+            raise ValueError(f"{name}: a table-level scale in a table the checkpoint's config declares {self.fmt} (none has one).")
+        if not value.is_floating_point() or value.numel() != 1 or value.dim() > 1:
+            raise ValueError(f"{name}: expected one floating-point scale of shape [1] or [], got {value.dtype} {tuple(value.shape)}.")
+        scale = value.reshape(1).to(torch.bfloat16 if self.fmt == "fp8" else torch.float32).float()
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
             raise ValueError(f"{name}: the table scale must be finite and positive, got {value.item()}.")
-        known = self.tensor_scale
-        if bool(torch.isfinite(known).all()) and not torch.equal(known, value):
-            raise ValueError(f"{name}: {value.item()} differs from the table scale {known.item()} of earlier shards.")
-        return value
+        if self._scale_name is not None:
+            raise ValueError(f"{name}: the table scale arrived twice (first as {self._scale_name}).")
+        self.tensor_scale.copy_(scale.to(self.tensor_scale.device))
+        self._scale_name = name
 
     def check_loaded(self, name: str = "PLE table") -> None:
         missing = sorted(set(self.expected_shards()) - self._loaded)
         if missing:
             raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
+        if self.tensor_scale is not None and self._scale_name is None:
+            part = "weight_scale" if self.fmt == "fp8" else "weight_scale_2"
+            raise ValueError(f"{name}.{part} is missing: a {self.fmt} PLE table needs its one table-level scale.")
         if self.shared is not None:
             self.shared.loaded()
 
