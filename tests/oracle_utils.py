@@ -23,14 +23,18 @@ def finite_e4m3(shape, seed: int, positive: bool = False) -> torch.Tensor:
 
 @contextmanager
 def triton_lookups():
-    """PLE table lookups of CPU ids run the fused Triton kernel (under TRITON_INTERPRET) instead of the torch
-    reference they take on the CPU, with the very arguments `PLETable.lookup` chose."""
+    """PLE table lookups of CPU ids run the fused Triton kernel (under TRITON_INTERPRET; on the accelerator
+    where there is one) instead of the torch reference they take on the CPU, with the very arguments
+    `PLETable.lookup` chose."""
     from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    on = lambda t: None if t is None else t.to(dev)  # noqa: E731
 
     def kernel(ids, weight, scale, start, global_scale=None):
         d = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
-        out = torch.full((ids.shape[0], ids.shape[1] * d), float("nan"), dtype=torch.bfloat16)
-        return gather_dequant(ids, weight, scale, start, out, global_scale=global_scale)
+        out = torch.full((ids.shape[0], ids.shape[1] * d), float("nan"), dtype=torch.bfloat16, device=dev)
+        return gather_dequant(on(ids), on(weight), on(scale), start, out, global_scale=on(global_scale)).cpu()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(table_module, "gather_dequant_reference", kernel)

@@ -55,6 +55,9 @@ def test_fused_kernel_matches_reference(fmt, rows, d, t, heads, seed, block_p, s
         cmap[hot] = torch.arange(len(hot), dtype=torch.int32)
         cache = (cmap, w[hot].clone(), None if scale is None else scale[hot].clone())
     ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
-    out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
-    gather_dequant(ids, w, scale, start, out, global_scale=global_scale, block_p=block_p, sort=sort, cache=cache)
-    assert torch.equal(out, gather_dequant_reference(ids, w, scale, start, global_scale))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
+    on = lambda x: None if x is None else tuple(map(on, x)) if isinstance(x, tuple) else x.to(dev)  # noqa: E731
+    out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16, device=dev)
+    gather_dequant(on(ids), on(w), on(scale), start, out, global_scale=on(global_scale), block_p=block_p, sort=sort,
+                   cache=on(cache))  # fmt: skip
+    assert torch.equal(out.cpu(), gather_dequant_reference(ids, w, scale, start, global_scale))

@@ -37,22 +37,23 @@ def _to_bf16_rtne(x):
 
 @triton.jit
 def _e4m3_to_f32(byte):
-    """float8 e4m3 (fn) byte -> fp32, exactly: normals rebuilt as fp32 bits, subnormals m * 2^-9."""
+    """float8 e4m3 (fn) byte -> fp32, exactly: normals rebuilt as fp32 bits, subnormals m * 2^-9; the sign
+    goes in as a bit (a float negation may lose the sign of zero in compiled code)."""
     b = byte.to(tl.uint32)
     e, m = (b >> 3) & 0xF, b & 7
-    normal = (((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    return tl.where(e == 0, tl.where((b >> 7) == 1, -sub, sub), normal)
+    normal = ((e + 120) << 23) | (m << 20)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    return (tl.where(e == 0, sub, normal) | ((b >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_to_f32(code):
-    """4-bit e2m1 code -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    """4-bit e2m1 code -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (-0.0 included), as fp32 bits."""
     c = code.to(tl.uint32)
     e, m = (c >> 1) & 3, c & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((c >> 3) == 1, -mag, mag)
+    normal = ((e + 126) << 23) | (m << 22)
+    mag = tl.where(e == 0, m * 0x3F000000, normal)  # 0x3F000000 = 0.5
+    return (mag | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
