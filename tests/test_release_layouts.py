@@ -243,7 +243,12 @@ def _cleanup() -> None:
 def _start(path):
     from test_vllm_parity import start_engine
 
-    return start_engine(path, distributed_executor_backend="uni")  # the worker in this process, too
+    kwargs = {"distributed_executor_backend": "uni"}  # the worker in this process, too
+    if torch.cuda.is_available():  # engine settings every vLLM 0.33 GPU install runs, vision tower without FlashAttention
+        from scenarios import GPU_ENGINE
+
+        kwargs.update(GPU_ENGINE, mm_encoder_attn_backend="TORCH_SDPA")
+    return start_engine(path, **kwargs)
 
 
 def _start_as_released(release, path, records, monkeypatch):
