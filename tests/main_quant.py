@@ -69,43 +69,39 @@ def quantize_main(src: Path, dst: Path, dequantized: Path, scheme: str = "w8a8")
 @torch.no_grad()
 def upstream_table_checkpoints(src: Path, dst: Path, oracle: Path, fmt: str, scale_dtype=torch.bfloat16) -> Path:
     """`dst`: SRC with its PLE tables in upstream vLLM's `fmt` layout, declared by `ple_embedding_dtype`:
-    `fp8` (e4m3 rows + ONE table-level `weight_scale` of `scale_dtype`, [1], as the FP8 release stores it;
-    written here) or `nvfp4` (packed e2m1 + e4m3 block `weight_scale` + ONE table-level fp32 `weight_scale_2`,
-    written by our quantizer); `oracle`: SRC with the tables' dequantized values, computed from the stored
-    codes by compressed-tensors' FP4 decode (NVFP4) and torch's float8 dtype (FP8), not by our dequantizers."""
+    `fp8` (e4m3 rows + ONE table-level `weight_scale` of `scale_dtype`, [1], as the FP8 release stores it) or
+    `nvfp4` (packed e2m1 + e4m3 block `weight_scale` + ONE table-level fp32 `weight_scale_2`); `oracle`: SRC
+    with the tables' dequantized values. Written and decoded without our quantizer or formats module: torch's
+    float8 dtype and compressed-tensors' FP4 packing (`oracle_utils`)."""
     import json
     import shutil
 
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from safetensors.torch import load_file, save_file
 
-    from qwen4_exp_hcu.quantize import quantize_checkpoint
+    from oracle_utils import fp8_rows, nvfp4_quantize, nvfp4_rows
 
     tensors = load_file(src / "model.safetensors")
-    tables = [k for k in tensors if ".ngram_embedding.shard_" in k and k.endswith(".weight")]
-    table_scale = {t.rsplit(".shard_", 1)[0] for t in tables}
-    if fmt == "nvfp4":
-        quantize_checkpoint(src, dst, "nvfp4")
-        q = load_file(dst / "model.safetensors")
-
-        def rows(k):
-            packed, block = q[k], q[k + "_scale"].float()
-            values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-            g = q[k.rsplit(".shard_", 1)[0] + ".weight_scale_2"].float()
-            return (values * block.repeat_interleave(16, -1) * g).to(torch.bfloat16)
-
-        dequantized = {**tensors, **{k: rows(k) for k in tables}}
-    else:
-        amax = max(tensors[k].float().abs().max() for k in tables)
+    shards = [k for k in tensors if ".ngram_embedding.shard_" in k and k.endswith(".weight")]
+    tables = {k.rsplit(".shard_", 1)[0] for k in shards}
+    amax = max(tensors[k].float().abs().max() for k in shards)
+    quantized, dequantized = dict(tensors), dict(tensors)
+    if fmt == "fp8":
         scale = (amax / 448).reshape(1).to(scale_dtype)
-        quantized = {**tensors, **{k: (tensors[k].float() / scale.float()).to(torch.float8_e4m3fn) for k in tables}}
-        quantized.update({f"{t}.weight_scale": scale.clone() for t in table_scale})
-        # upstream's arithmetic: both factors in bf16, one rounding
-        dequantized = {**tensors, **{k: quantized[k].to(torch.bfloat16) * scale.to(torch.bfloat16) for k in tables}}
-        shutil.copytree(src, dst)
-        save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps({**config, "ple_embedding_dtype": "float8_e4m3fn"}, indent=2))
-    shutil.copytree(src, oracle)
-    save_file(dequantized, oracle / "model.safetensors", metadata={"format": "pt"})
+        quantized.update({f"{t}.weight_scale": scale.clone() for t in tables})
+        for k in shards:
+            quantized[k] = (tensors[k].float() / scale.float()).to(torch.float8_e4m3fn)
+            dequantized[k] = fp8_rows(quantized[k], scale)
+        declared = "float8_e4m3fn"
+    else:
+        scale = (amax / (448 * 6)).reshape(1).float()
+        quantized.update({f"{t}.weight_scale_2": scale.clone() for t in tables})
+        for k in shards:
+            quantized[k], quantized[k + "_scale"] = nvfp4_quantize(tensors[k], scale)
+            dequantized[k] = nvfp4_rows(quantized[k], quantized[k + "_scale"], scale)
+        declared = "nvfp4"
+    for path, weights in ((dst, quantized), (oracle, dequantized)):
+        shutil.copytree(src, path)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "ple_embedding_dtype": declared}, indent=2))
     return dst

@@ -2,6 +2,8 @@
 
 from contextlib import contextmanager
 
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
+
 import pytest
 import torch
 
@@ -49,3 +51,24 @@ def lookups(path: str):
             yield
     else:
         yield
+
+
+# ---- upstream-layout tables written and read without our formats module ------------------------------------
+def fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Upstream's FP8 dequantization, from torch's float8 dtype: both factors in bf16, one rounding."""
+    return weight.to(torch.bfloat16) * scale.to(torch.bfloat16).reshape(())
+
+
+def nvfp4_rows(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 rows decoded by compressed-tensors' FP4 helper: (e2m1 * block scale) * table scale in fp32, bf16."""
+    values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    return (values * block_scale.float().repeat_interleave(16, dim=-1) * scale_2.float().reshape(())).to(torch.bfloat16)
+
+
+def nvfp4_quantize(rows: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, d] rows -> (packed e2m1, e4m3 block scales) with compressed-tensors' FP4 packing (nearest code);
+    block scale = block amax / 6 / table scale, as NVFP4 defines it."""
+    blocks = rows.float().unflatten(-1, (-1, 16))
+    block_scale = (blocks.abs().amax(-1) / 6.0 / scale_2.float()).clamp(2**-9, 448.0).to(torch.float8_e4m3fn)
+    values = (blocks / (block_scale.float() * scale_2.float())[..., None]).clamp(-6.0, 6.0).flatten(-2)
+    return pack_fp4_to_uint8(values), block_scale

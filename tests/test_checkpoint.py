@@ -70,3 +70,18 @@ def test_broken_checkpoints_fail_at_load_naming_the_tensor(checkpoints, tmp_path
     broken = _broken_copy(checkpoints / "int8", tmp_path / "broken", edit)
     with pytest.raises(ValueError, match=match):
         load_ple_layer(broken, 1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_upstream_layout_checkpoint_loads_as_declared(checkpoints, tmp_path, fmt):
+    """`load_ple_layer` reads the format the checkpoint declares (`ple_embedding_dtype` here; every way:
+    tests/test_declaration.py) and keeps it: lookups equal a BF16 layer holding the decoded rows."""
+    from main_quant import upstream_table_checkpoints
+
+    served = upstream_table_checkpoints(checkpoints / "bf16", tmp_path / fmt, tmp_path / "oracle", fmt)
+    ours, ref = load_ple_layer(served, 3), load_ple_layer(tmp_path / "oracle", 3)
+    assert ours.table.fmt == fmt and ref.table.fmt == "bf16"
+    ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0))
+    batch = PLEBatch.from_lengths(ids, [12], [0], [False])
+    state = lambda: PLEState.zeros(ref.state_shapes(), 1, torch.bfloat16)  # noqa: E731
+    assert torch.equal(ours.lookup(batch, state()), ref.lookup(batch, state()))

@@ -37,6 +37,7 @@ def test_format_from_dtypes():
 import pytest  # noqa: E402
 
 from dist_utils import random_ple_state_dict  # noqa: E402
+from oracle_utils import fp8_rows, nvfp4_rows  # noqa: E402
 from ple_configs import tiny_text_config  # noqa: E402
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState  # noqa: E402
 from qwen4_exp_hcu.ple.layer import PLELayer  # noqa: E402
@@ -49,7 +50,8 @@ NVFP4_CFG = dict(ple_embed_dim=64)  # 4 heads of 16: one NVFP4 block per head
 def upstream_layout(sd, fmt, seed=0, table_scale=None):
     """`sd` with every table shard replaced by random rows in upstream's `fmt` layout (one table-level scale,
     bf16 [1] as the FP8 release stores it unless `table_scale` is given), and the BF16 copy of the same rows
-    (their dequantized values): (quantized state dict, bf16 state dict)."""
+    (their values decoded by torch's float8 dtype / compressed-tensors, not by `ple.formats`):
+    (quantized state dict, bf16 state dict)."""
     g = torch.Generator().manual_seed(seed)
     quantized, bf16 = dict(sd), dict(sd)
     scale = table_scale if table_scale is not None else torch.tensor([0.03125 if fmt == "fp8" else 0.25], dtype=torch.bfloat16)
@@ -60,12 +62,12 @@ def upstream_layout(sd, fmt, seed=0, table_scale=None):
         if fmt == "fp8":
             w = (torch.randn(rows, d, generator=g) * 50).to(torch.float8_e4m3fn)
             quantized[name] = w
-            bf16[name] = dequantize_fp8_rows(w, scale)
+            bf16[name] = fp8_rows(w, scale)
         else:
             packed = torch.randint(0, 256, (rows, d // 2), generator=g, dtype=torch.int32).to(torch.uint8)
             block = (torch.rand(rows, d // 16, generator=g) * 4 + 0.1).to(torch.float8_e4m3fn)
             quantized[name], quantized[name + "_scale"] = packed, block
-            bf16[name] = dequantize_nvfp4_rows(packed, block, scale)
+            bf16[name] = nvfp4_rows(packed, block, scale)
     return quantized, bf16
 
 
