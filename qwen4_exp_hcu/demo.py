@@ -17,6 +17,7 @@ PROMPTS = [
     [100, 101, 1, 102, 103, 104, 1, 9],  # 1 = EOS: the n-gram context restarts after it
     list(range(20, 60)),
 ]
+ENGINE_SHUTDOWN_S = 60  # the most the engine core may take to stop before vLLM kills it
 
 
 def ensure_checkpoint(path: Path) -> Path:
@@ -44,12 +45,18 @@ def main(argv: list[str] | None = None) -> None:
 
     # 256 tokens fit the tiny config's QSA budget (512): dense attention is exact on CPU.
     llm = LLM(model=str(checkpoint), max_model_len=256, max_num_seqs=len(PROMPTS), seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    llm.generate(requests[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        requests = [{"prompt_token_ids": p} for p in PROMPTS]
+        llm.generate(requests[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tables = llm.apply_model(ple_storage_report)[0]["now"]
+    finally:
+        # Left to the interpreter's exit, vLLM stops its engine-core process with a 5 s grace period, which that
+        # process overruns on a busy machine (it first waits for its worker): force-killed, with warnings.
+        llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_S)
 
     print("\n=== generated (greedy) ===")
     for prompt, out in zip(PROMPTS, outputs):
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nparity: vLLM greedy tokens == transformers' for {sum(same)}/{len(same)} prompts")
 
     print("\n=== PLE tables ===")
-    for table in llm.apply_model(ple_storage_report)[0]["now"]:
+    for table in tables:
         if table["pinned"]:
             where = "pinned host memory (read by the accelerator over UVA)"
         elif table["device"] == "cpu":

@@ -1,5 +1,5 @@
-"""Quantize the PLE tables of a Qwen4Exp checkpoint (BF16, or upstream's FP8 / NVFP4 layouts, e.g. the FP8
-release's) to INT8 rows, or to upstream's NVFP4 layout (4 bits + block scales: 72 B per row of 128 values
+"""Quantize the PLE tables of a Qwen4Exp checkpoint (BF16, F32, F16, or upstream's FP8 / NVFP4 layouts, e.g. the
+FP8 release's) to INT8 rows, or to upstream's NVFP4 layout (4 bits + block scales: 72 B per row of 128 values
 against INT8's 130).
 
     python -m qwen4_exp_hcu.quantize SRC DST [--format int8|nvfp4]
@@ -12,53 +12,56 @@ becomes packed e2m1 `weight` + e4m3 `weight_scale`, and each table gets ONE fp32
 `ple_embedding_dtype: "nvfp4"` as upstream does. A main method that declared the tables FP8 (`fp8`'s
 `modules_to_convert`, ModelOpt's `quantized_layers`) no longer does. Every other tensor is copied byte for byte. Tensors are streamed one at a time (the PLE tables alone are
 ~90 GiB in BF16), and the output is built in a temporary folder beside DST and renamed into place only
-when complete.
+when complete. Everything that can be checked without the tensors' data (config, tokenizer, every file's
+header, table dtypes and scales) is checked before that folder is made; a bad input is a one-line error
+naming its file, tensor or setting. torch, transformers and safetensors are imported by the functions that
+use them, so `--help` answers at once.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import struct
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from compressed_tensors.utils.match import match_name
-from safetensors import safe_open
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
-from qwen4_exp_hcu.ple.formats import (
-    NVFP4_BLOCK,
-    dequantize_fp8_rows,
-    dequantize_nvfp4_rows,
-    nvfp4_tensor_scale,
-    quantize_nvfp4_rows,
-)
-from qwen4_exp_hcu.ple.declaration import without_fp8_declarations
-from qwen4_exp_hcu.ple.int8 import quantize_rows
-from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
+
+if TYPE_CHECKING:
+    import torch
+    from tqdm import tqdm
 
 CONFIG = "config.json"
 MODELOPT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
 # Weights in pickle formats would contradict (and could shadow) the quantized safetensors: never copied.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Any of these lets transformers and vLLM build the checkpoint's tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
-_SOURCE_TABLE_DTYPES = ("BF16", "F32", "F8_E4M3", "U8")  # BF16/F32 rows, upstream's FP8 and NVFP4 layouts
+# float rows (F16 is widened to F32, exactly), upstream's FP8 and NVFP4 layouts
+_SOURCE_TABLE_DTYPES = ("BF16", "F32", "F16", "F8_E4M3", "U8")
 FORMATS = ("int8", "nvfp4")
 
 
 def is_ple_table(tensor_name: str) -> bool:
     """True for a PLE table shard's weight, judged by the same target the written config declares."""
+    from compressed_tensors.utils.match import match_name
+
     module, _, param = tensor_name.rpartition(".")
     return param == "weight" and ".shard_" in module and match_name(module, TABLE_TARGET)
 
@@ -74,17 +77,24 @@ def _table_of(shard_name: str) -> str:
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's storage bytes, so copied tensors stay bit-identical whatever their dtype."""
+    import torch
+
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-class _Entry:
-    """One output tensor: header facts known up front, bytes produced only when written."""
+def _nbytes(name: str, dtype: str, shape: list[int]) -> int:
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"{name}: safetensors dtype {dtype} is not supported by the quantizer")
+    return _DTYPE_BYTES[dtype] * math.prod(shape)
 
-    def __init__(self, name: str, dtype: str, shape: list[int], produce: Callable[[], torch.Tensor]):
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"{name}: safetensors dtype {dtype} is not supported by the quantizer")
-        self.name, self.dtype, self.shape, self.produce = name, dtype, shape, produce
-        self.nbytes = _DTYPE_BYTES[dtype] * int(torch.Size(shape).numel())
+
+class _Entry:
+    """One output tensor: header facts known up front, bytes produced only when written. `copied`: the
+    source tensor as it is (everything but the PLE tables and their scales)."""
+
+    def __init__(self, name: str, dtype: str, shape: list[int], produce: Callable[[], torch.Tensor], copied=False):
+        self.name, self.dtype, self.shape, self.produce, self.copied = name, dtype, shape, produce, copied
+        self.nbytes = _nbytes(name, dtype, shape)
 
 
 # upstream's one scale per FP8 / NVFP4 table, by its shards' dtype
@@ -92,22 +102,39 @@ _TABLE_SCALE = {"F8_E4M3": "weight_scale", "U8": "weight_scale_2"}
 
 
 def _source_rows(f, name: str, source_scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A PLE table shard as float rows: BF16/F32 as stored; upstream's FP8 (e4m3 + the table's `weight_scale`)
-    and NVFP4 (packed e2m1 + e4m3 block `weight_scale` + the table's `weight_scale_2`) dequantized to BF16."""
+    """A PLE table shard as float rows: BF16/F32 as stored, F16 widened to F32 (exact); upstream's FP8 (e4m3 +
+    the table's `weight_scale`) and NVFP4 (packed e2m1 + e4m3 block `weight_scale` + the table's
+    `weight_scale_2`) dequantized to BF16."""
+    import torch
+
+    from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
+
     weight = f.get_tensor(name)
     if weight.dtype == torch.float8_e4m3fn:
         return dequantize_fp8_rows(weight, source_scales[_table_of(name)])
     if weight.dtype == torch.uint8:
         return dequantize_nvfp4_rows(weight, f.get_tensor(_scale_name(name)), source_scales[_table_of(name)])
-    return weight
+    return weight.float() if weight.dtype == torch.float16 else weight
+
+
+def _check_table_shard(name: str, dtype: str, shape: list[int]) -> None:
+    if dtype == "I8":
+        raise ValueError(f"{name}: PLE table already quantized (INT8 rows); quantize from the BF16 checkpoint")
+    if dtype not in _SOURCE_TABLE_DTYPES:
+        raise ValueError(f"{name}: PLE table dtype {dtype} is not a source the quantizer reads {_SOURCE_TABLE_DTYPES}")
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected a 2-D PLE table shard [rows, values], got shape {shape}")
 
 
 def _plan_file(
-    f, progress: tqdm, source_scales: dict[str, torch.Tensor], tensor_scales: dict[str, torch.Tensor] | None, written: set[str]
+    f, source_scales: dict[str, torch.Tensor], tensor_scales: dict[str, torch.Tensor] | None, written: set[str]
 ) -> list[_Entry]:  # fmt: skip
     """Output tensors of one safetensors file; a PLE table expands to INT8 weight + bf16 row scale (or, with
     `tensor_scales` {table: fp32 scale}, NVFP4 packed weight + block scales, and the table's one scale in the
     file of its first shard; `written` tracks those), and the scales of an FP8/NVFP4 source table are dropped."""
+    from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, quantize_nvfp4_rows
+    from qwen4_exp_hcu.ple.int8 import quantize_rows
+
     entries, keys = [], set(f.keys())
     dropped = {_scale_name(n) for n in keys if is_ple_table(n) and f.get_slice(n).get_dtype() == "U8"}
     dropped |= {f"{t}.{part}" for t in source_scales for part in _TABLE_SCALE.values()}
@@ -117,10 +144,9 @@ def _plan_file(
         if name in dropped:
             continue
         if not is_ple_table(name):
-            entries.append(_Entry(name, dtype, shape, lambda name=name: f.get_tensor(name)))
+            entries.append(_Entry(name, dtype, shape, lambda name=name: f.get_tensor(name), copied=True))
             continue
-        if dtype not in _SOURCE_TABLE_DTYPES or len(shape) != 2:
-            raise ValueError(f"{name}: expected a 2-D BF16/F32/FP8/NVFP4 PLE table, got {dtype} {shape} (already quantized?)")
+        _check_table_shard(name, dtype, shape)
         if dtype == "U8" and _scale_name(name) not in keys:
             raise ValueError(f"{_scale_name(name)}: missing beside its NVFP4 PLE table shard (expected in the same file)")
         width = shape[1] * (2 if dtype == "U8" else 1)
@@ -132,7 +158,6 @@ def _plan_file(
                     q, stash["scale"] = quantize_rows(_source_rows(f, name, source_scales))
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from e
-                progress.update()
                 return q
 
             entries.append(_Entry(name, "I8", [shape[0], width], weight))
@@ -145,7 +170,6 @@ def _plan_file(
 
         def packed(name=name, stash=stash, table_scale=table_scale):
             q, stash["scale"] = quantize_nvfp4_rows(_source_rows(f, name, source_scales), table_scale)
-            progress.update()
             return q
 
         entries.append(_Entry(name, "U8", [shape[0], width // 2], packed))
@@ -156,7 +180,7 @@ def _plan_file(
     return entries
 
 
-def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None) -> None:
+def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None, progress: tqdm) -> None:
     """Stream tensors into a safetensors file: header from the plan, then each tensor's bytes in turn."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -173,13 +197,24 @@ def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, st
             if data.nbytes != e.nbytes:
                 raise ValueError(f"{e.name}: produced {data.nbytes} bytes, planned {e.nbytes}")
             out.write(data)
+            if not e.copied and is_ple_table(e.name):
+                progress.update()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def _weight_files(src: Path) -> tuple[list[str], dict | None]:
     """Safetensors files to convert (from the index when sharded) and the index itself."""
     index_path = src / INDEX
     if index_path.exists():
-        index = json.loads(index_path.read_text())
+        index = _read_json(index_path)
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{index_path}: no weight_map")
         files = sorted(set(index["weight_map"].values()))
         missing = [n for n in files if not (src / n).is_file()]
         if missing:
@@ -191,11 +226,60 @@ def _weight_files(src: Path) -> tuple[list[str], dict | None]:
     return files, None
 
 
+def _check_ple_layers(path: Path, text: dict) -> None:
+    """`ple_layer_ids` (1-based) must name `linear_attention` decoder layers, as transformers requires;
+    checked here by name (transformers' own check does not name the settings) where config.json spells out
+    the layers; transformers' defaults are checked by transformers."""
+    ids, types = text.get("ple_layer_ids") or [], text.get("layer_types") or []
+    count = text.get("num_hidden_layers", len(types) or None)
+    if not isinstance(count, int):
+        return  # transformers' default (or its complaint about the value) applies
+    for layer_id in ids:
+        if not isinstance(layer_id, int) or not 1 <= layer_id <= count:
+            raise ValueError(f"{path}: ple_layer_ids: {layer_id!r} is not a layer in 1..num_hidden_layers ({count})")
+        if layer_id <= len(types) and types[layer_id - 1] != "linear_attention":
+            raise ValueError(
+                f"{path}: ple_layer_ids: layer {layer_id} is {types[layer_id - 1]!r} in layer_types; PLE layers "
+                "must be linear_attention layers"
+            )
+
+
+def _check_config(src: Path) -> None:
+    """SRC's config as transformers (and so vLLM) will read it when serving: a bad one fails now, not after
+    the tables are converted. transformers' validation errors span lines; one is kept."""
+    from transformers import AutoConfig
+
+    path = src / CONFIG
+    config = _read_json(path)
+    _check_ple_layers(path, config.get("text_config") or config)
+    try:
+        AutoConfig.from_pretrained(src)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its strict-dataclass errors)
+        raise ValueError(f"{path}: transformers rejects it: {' '.join(str(e).split())}") from None
+
+
+def _open_all(src: Path, files: list[str], stack: ExitStack) -> list:
+    """Every file opened (safetensors reads the header and checks the file holds all the data it declares):
+    a truncated or corrupt file is an error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    handles = []
+    for name in files:
+        try:
+            handles.append(stack.enter_context(safe_open(src / name, framework="pt")))
+        except SafetensorError as e:
+            raise ValueError(f"{src / name}: unreadable safetensors file ({e})") from None
+    return handles
+
+
 def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
     """SRC's config declaring the tables in `fmt`: INT8 as our PLE group merged into its quantization config
     (kept as it is otherwise), NVFP4 as the text config's `ple_embedding_dtype`, upstream's marker. Earlier
     FP8 declarations of the tables are removed first."""
-    config = json.loads((src / CONFIG).read_text())
+    from qwen4_exp_hcu.ple.declaration import without_fp8_declarations
+    from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
+
+    config = _read_json(src / CONFIG)
     text = config.get("text_config") or config  # multimodal checkpoints nest the text model's config
     if "compression_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise ValueError(f"{src / CONFIG}: put the main model's quantization config at the top level as quantization_config")
@@ -207,21 +291,12 @@ def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
         return config
     main = config.get("quantization_config")
     if main is None and (src / MODELOPT_CONFIG).is_file():  # ModelOpt <= 0.29 keeps it beside config.json
-        main = json.loads((src / MODELOPT_CONFIG).read_text())  # as vLLM reads it when config.json has none
+        main = _read_json(src / MODELOPT_CONFIG)  # as vLLM reads it when config.json has none
     try:
         config["quantization_config"] = merge_ple_group(main)
     except ValueError as e:
         raise ValueError(f"{src / CONFIG}: {e}") from None
     return config
-
-
-def _table_names(src: Path, files: list[str]) -> list[str]:
-    """The PLE tables of SRC (`...ple_embedding.ngram_embedding`), from the file headers."""
-    names = set()
-    for name in files:
-        with safe_open(src / name, framework="pt") as f:
-            names |= {_table_of(k) for k in f.keys() if is_ple_table(k)}
-    return sorted(names)
 
 
 def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator[str]:
@@ -239,6 +314,8 @@ def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator
 
 def _table_scales(handles, source_scales) -> dict[str, torch.Tensor]:
     """NVFP4's one fp32 scale per table, from its largest magnitude over all its shards (a first pass)."""
+    from qwen4_exp_hcu.ple.formats import nvfp4_tensor_scale
+
     amax: dict[str, float] = {}
     for f in handles:
         for name in filter(is_ple_table, f.keys()):
@@ -267,33 +344,66 @@ def _source_table_scales(handles, dtypes: dict[str, str]) -> dict[str, torch.Ten
     return scales
 
 
-def _convert_weights(src: Path, files: list[str], out: Path, fmt: str) -> tuple[dict[str, str], int]:
-    """Write each safetensors file of SRC, converted, into `out`; returns the new weight map and total bytes."""
-    with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(src / n, framework="pt")) for n in files]
-        names = [k for h in handles for k in h.keys()]
-        scales = [n for n in names if n.endswith(f".{SCALE_SUFFIX}") and is_ple_table(n.removesuffix("_scale"))]
-        dtypes = {k: h.get_slice(k).get_dtype() for h in handles for k in h.keys()}
-        stray = [n for n in scales if dtypes.get(n.removesuffix("_scale")) not in ("F8_E4M3", "U8")]
-        if stray:  # only upstream's NVFP4 tables come with per-shard scales to convert
-            raise ValueError(f"{stray[0]}: SRC already holds quantized PLE tables")
-        n_tables = sum(map(is_ple_table, names))
-        if n_tables == 0:
-            raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")
-        source_scales = _source_table_scales(handles, dtypes)
-        weight_map, total, written = {}, 0, set()
-        tensor_scales = _table_scales(handles, source_scales) if fmt == "nvfp4" else None
-        with tqdm(total=n_tables, desc="Quantizing PLE shards", unit="shard") as progress:
-            for name, f in zip(files, handles):
-                entries = _plan_file(f, progress, source_scales, tensor_scales, written)
-                _write_safetensors(out / name, entries, f.metadata())
-                weight_map.update({e.name: name for e in entries})
-                total += sum(e.nbytes for e in entries)
-    return weight_map, total
+def _plan(src: Path, handles, fmt: str) -> list[list[_Entry]]:
+    """The output tensors of every file of SRC, in order; every check that needs no table data is made here."""
+    dtypes = {k: h.get_slice(k).get_dtype() for h in handles for k in h.keys()}
+    scales = [n for n in dtypes if n.endswith(f".{SCALE_SUFFIX}") and is_ple_table(n.removesuffix("_scale"))]
+    stray = [n for n in scales if dtypes.get(n.removesuffix("_scale")) not in ("F8_E4M3", "U8")]
+    if stray:  # only upstream's NVFP4 tables come with per-shard scales to convert
+        raise ValueError(f"{stray[0]}: SRC already holds quantized PLE tables")
+    if not any(map(is_ple_table, dtypes)):
+        raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")
+    source_scales = _source_table_scales(handles, dtypes)
+    tensor_scales = _table_scales(handles, source_scales) if fmt == "nvfp4" else None
+    written: set[str] = set()
+    return [_plan_file(f, source_scales, tensor_scales, written) for f in handles]
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str = "int8") -> None:
+@dataclass(frozen=True)
+class Summary:
+    """What a conversion did to the PLE tables (shards and their scales; every other tensor is copied)."""
+
+    tables: int
+    rows: int
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"PLE tables {self.tables}, rows {self.rows:,}, bytes {self.bytes_before:,} -> {self.bytes_after:,}, "
+                f"{self.seconds:.1f} s")  # fmt: skip
+
+
+def _write(src: Path, out: Path, files: list[str], handles, plans: list[list[_Entry]], config: dict, index) -> None:
+    """DST's content into `out`: the planned safetensors files, config.json, the index, the side files."""
+    from tqdm import tqdm
+
+    shards = sum(not e.copied and is_ple_table(e.name) for plan in plans for e in plan)
+    with tqdm(total=shards, desc="Quantizing PLE shards", unit="shard") as progress:
+        for name, f, entries in zip(files, handles, plans):
+            _write_safetensors(out / name, entries, f.metadata(), progress)
+    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if index is not None:
+        index["metadata"] = {**index.get("metadata", {}), "total_size": sum(e.nbytes for plan in plans for e in plan)}
+        index["weight_map"] = dict(sorted((e.name, name) for name, plan in zip(files, plans) for e in plan))
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for skipped in _copy_other_files(src, out, files):
+        print(f"quantize: not copying weight file {skipped} (pickle, or not in {INDEX})", file=sys.stderr)
+
+
+def _summary(handles, plans: list[list[_Entry]], seconds: float) -> Summary:
+    """The tables' bytes: every tensor's, before and after, less those copied as they are."""
+    entries = [e for plan in plans for e in plan]
+    shards = [e for e in entries if not e.copied and is_ple_table(e.name)]
+    source = sum(_nbytes(k, h.get_slice(k).get_dtype(), h.get_slice(k).get_shape()) for h in handles for k in h.keys())
+    copied = sum(e.nbytes for e in entries if e.copied)
+    tables, rows = len({_table_of(e.name) for e in shards}), sum(e.shape[0] for e in shards)
+    return Summary(tables, rows, source - copied, sum(e.nbytes for e in entries) - copied, seconds)
+
+
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str = "int8") -> Summary:
     """Write the copy of checkpoint SRC with its PLE tables in `fmt` (INT8 or NVFP4) into DST (absent or empty)."""
+    start = time.perf_counter()
     if fmt not in FORMATS:
         raise ValueError(f"PLE table format {fmt!r} is not one of {FORMATS}")
     src, dst = Path(src), Path(dst)
@@ -302,26 +412,26 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"DST {dst} exists and is not an empty folder; refusing to overwrite")
     files, index = _weight_files(src)
-    config = _load_config(src, fmt, _table_names(src, files))
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        weight_map, total = _convert_weights(src, files, tmp, fmt)
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if index is not None:
-            index["metadata"] = {**index.get("metadata", {}), "total_size": total}
-            index["weight_map"] = dict(sorted(weight_map.items()))
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        for skipped in _copy_other_files(src, tmp, files):
-            print(f"quantize: not copying weight file {skipped} (pickle, or not in {INDEX})", file=sys.stderr)
-        if dst.exists():
-            dst.rmdir()  # empty, checked above
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _check_config(src)
+    if not any((src / name).is_file() for name in _TOKENIZER_FILES):
+        print(f"quantize: warning: {src} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); serving DST "
+              "will need one (vLLM's --tokenizer)", file=sys.stderr)  # fmt: skip
+    with ExitStack() as stack:
+        handles = _open_all(src, files, stack)
+        config = _load_config(src, fmt, sorted({_table_of(k) for h in handles for k in h.keys() if is_ple_table(k)}))
+        plans = _plan(src, handles, fmt)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            _write(src, tmp, files, handles, plans, config, index)
+            if dst.exists():
+                dst.rmdir()  # empty, checked above
+            os.replace(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return _summary(handles, plans, time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -329,14 +439,15 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m qwen4_exp_hcu.quantize",
         description="Quantize the PLE tables of a Qwen4Exp checkpoint to INT8 rows (compressed-tensors) or NVFP4.",
     )
-    parser.add_argument("src", help="Hugging Face checkpoint folder (PLE tables in BF16, FP8 or NVFP4)")
+    parser.add_argument("src", help="Hugging Face checkpoint folder (PLE tables in BF16, F32, F16, FP8 or NVFP4)")
     parser.add_argument("dst", help="output folder (must not exist, or be empty)")
     parser.add_argument("--format", choices=FORMATS, default="int8", help="the PLE tables' format in DST")
     args = parser.parse_args(argv)
     try:
-        quantize_checkpoint(args.src, args.dst, args.format)
+        summary = quantize_checkpoint(args.src, args.dst, args.format)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(f"quantize: {summary} ({args.format}) -> {args.dst}")
 
 
 if __name__ == "__main__":

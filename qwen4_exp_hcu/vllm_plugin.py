@@ -11,10 +11,12 @@ The classes are registered under the architecture names real checkpoints declare
 keeps vLLM's own classes; the alias is still ours (`qwen4_exp_hcu.env`).
 
 It also registers a quantization method that claims checkpoints declaring INT8 PLE tables, whatever
-quantizes their main model (see `qwen4_exp_hcu.model.quant`).
+quantizes their main model (see `qwen4_exp_hcu.model.quant`), and checks the plugin's settings
+(`qwen4_exp_hcu.settings`) as soon as vLLM has a config to check them in.
 """
 
 from qwen4_exp_hcu.env import our_architectures
+from qwen4_exp_hcu.settings import plugin_settings
 
 
 def register() -> None:
@@ -22,5 +24,28 @@ def register() -> None:
 
     for architecture, model_class in sorted(our_architectures().items()):
         ModelRegistry.register_model(architecture, model_class)
+        check_settings_with_config(architecture)
     # INT8-PLE checkpoints declare their tables in a way vLLM's own quantization parsers reject or ignore.
     import qwen4_exp_hcu.model.quant  # noqa: F401  (registers the quantization method)
+
+
+def check_settings_with_config(architecture: str) -> None:
+    """Check the plugin settings where vLLM checks a model's config: `MODELS_CONFIG_MAP[architecture]
+    .verify_and_update_config(vllm_config)`, which `VllmConfig` runs while it is built (in the process that
+    parses the arguments, before any engine process starts or loads weights; `additional_config` is the
+    earliest thing there that holds them). vLLM's own hook for the architecture, if any, runs first."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
+    if getattr(base, "checks_plugin_settings", False):  # register() ran before in this process
+        return
+
+    class WithPluginSettings(base):
+        checks_plugin_settings = True
+
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            base.verify_and_update_config(vllm_config)
+            plugin_settings(vllm_config.additional_config)
+
+    MODELS_CONFIG_MAP[architecture] = WithPluginSettings

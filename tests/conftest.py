@@ -1,5 +1,6 @@
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,40 @@ def pytest_addoption(parser):
         help="write the GPU tests' result JSON (etp_2gpu.json, etp_4gpu.json, vllm_gpu_modes.json) into DIR, "
         "e.g. benchmarks/results; without it nothing is written",
     )
+
+
+SHM = Path("/dev/shm")
+
+
+def _mapped_shm_files() -> set[str]:
+    """Names of the /dev/shm files some live process maps."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        names |= {Path(line.split(None, 5)[-1]).name for line in lines if f" {SHM}/" in line}
+    return names
+
+
+def _shm_files() -> set[str]:
+    return set(os.listdir(SHM)) if SHM.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_files_left_in_dev_shm():
+    """Fail the session if it leaves files in /dev/shm (vLLM's shared-memory communicators and queues, the
+    DP-shared PLE tables): they hold host memory until someone removes them. Other runs share this machine: a
+    file a live process maps belongs to a running program, and one gone a moment later was being cleaned up."""
+    before = _shm_files()
+    yield
+    left = _shm_files() - before - _mapped_shm_files()
+    if left:
+        time.sleep(2)
+        left &= _shm_files() - _mapped_shm_files()
+    if left:
+        pytest.fail(f"the tests left {sorted(left)} in {SHM}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

