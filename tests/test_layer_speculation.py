@@ -65,10 +65,13 @@ def test_verify_then_accept_equals_running_the_accepted_tokens_one_by_one(data, 
             for i in range(a):  # the reference sees only the accepted tokens, one at a time
                 h = hs[starts[r] + i : starts[r] + i + 1]
                 want = LAYER(h, PLEBatch.from_lengths(torch.tensor(chunk[i : i + 1]), [1], [slot], [True]), seq)
-                assert torch.equal(out[starts[r] + i], want[0]), (r, i)
+                # CPU GEMMs are not batch-invariant (one row vs a packed batch round differently): fp32 noise
+                # only; a wrong state moves these by O(1) (see the next test)
+                torch.testing.assert_close(out[starts[r] + i], want[0], rtol=1e-5, atol=1e-5, msg=f"{r, i}")
             want_ctx, want_window = current(seq, slot, 1)
             got_ctx, got_window = current(spec, slot, a)
-            assert torch.equal(got_ctx, want_ctx) and torch.equal(got_window, want_window), (r, a)
+            assert torch.equal(got_ctx, want_ctx), (r, a)
+            torch.testing.assert_close(got_window, want_window, rtol=1e-5, atol=1e-5, msg=f"{r, a}")
 
 
 def test_rejected_drafts_would_be_visible_without_num_accepted():
@@ -79,7 +82,7 @@ def test_rejected_drafts_would_be_visible_without_num_accepted():
     hs = torch.randint(-3, 4, (4, C), generator=gen).float()
     LAYER(hs, PLEBatch.from_lengths(torch.tensor([3, 4, 5, 50]), [4], [0], [False]), spec)
     LAYER(hs[:3], PLEBatch.from_lengths(torch.tensor([5, 96, 4]), [3], [0], [True], verify=[True]), spec)
-    assert not torch.equal(current(spec, 0, 1)[1], current(spec, 0, 2)[1])
+    assert not torch.allclose(current(spec, 0, 1)[1], current(spec, 0, 2)[1], rtol=1e-5, atol=1e-5)  # beyond the tolerance
     assert not torch.equal(current(spec, 0, 1)[0], current(spec, 0, 3)[0])
 
 
