@@ -12,6 +12,7 @@ SCALE_SUFFIX = "weight_scale"
 SHARD = re.compile(r"ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight_scale|weight_scale_2)$")
 # One scale for the whole table, as upstream vLLM reads FP8 (`weight_scale`) and NVFP4 (`weight_scale_2`) tables.
 TABLE_SCALE = re.compile(r"ple_embedding\.ngram_embedding\.(weight_scale|weight_scale_2)$")
+TABLE_SCALE_PART = {"fp8": "weight_scale", "nvfp4": "weight_scale_2"}  # by table format
 HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")  # under ple_embedding.
 LAYER_PARAMS = ("key_proj.weight", "value_proj.weight", "norm_key.weight", "norm_query.weight",
                 "norm_conv.weight", "conv1d.weight")  # fmt: skip

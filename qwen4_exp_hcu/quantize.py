@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_TARGET
+from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_SCALE_PART, TABLE_TARGET
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ class _Entry:
 
 
 # upstream's one scale per FP8 / NVFP4 table, by its shards' dtype
-_TABLE_SCALE = {"F8_E4M3": "weight_scale", "U8": "weight_scale_2"}
+_TABLE_SCALE = {"F8_E4M3": TABLE_SCALE_PART["fp8"], "U8": TABLE_SCALE_PART["nvfp4"]}
 
 
 def _source_rows(f, name: str, source_scales: dict[str, torch.Tensor]) -> torch.Tensor:

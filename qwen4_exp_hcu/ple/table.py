@@ -14,6 +14,7 @@ import weakref
 import numpy as np
 import torch
 
+from qwen4_exp_hcu.names import TABLE_SCALE_PART
 from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, dequantize_fp8_rows, dequantize_nvfp4_rows, row_width, table_format
 from qwen4_exp_hcu.ple.host_memory import SharedHost
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -244,8 +245,7 @@ class PLETable:
         if missing:
             raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
         if self.tensor_scale is not None and self._scale_name is None:
-            part = "weight_scale" if self.fmt == "fp8" else "weight_scale_2"
-            raise ValueError(f"{name}.{part} is missing: a {self.fmt} PLE table needs its one table-level scale.")
+            raise ValueError(f"{name}.{TABLE_SCALE_PART[self.fmt]} is missing: a {self.fmt} PLE table needs its one table-level scale.")
         if self.shared is not None:
             self.shared.loaded()
 
