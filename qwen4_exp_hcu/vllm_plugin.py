@@ -12,16 +12,19 @@ keeps vLLM's own classes; the alias is still ours (`qwen4_exp_hcu.env`).
 
 It also registers a quantization method that claims checkpoints declaring INT8 PLE tables, whatever
 quantizes their main model (see `qwen4_exp_hcu.model.quant`), and checks the plugin's settings
-(`qwen4_exp_hcu.settings`) as soon as vLLM has a config to check them in.
+(`qwen4_exp_hcu.settings`) as soon as vLLM has a config to check them in, and, when an engine process fails,
+repeats the root cause as the last line (`qwen4_exp_hcu.startup_report`).
 """
 
 from qwen4_exp_hcu.env import our_architectures
 from qwen4_exp_hcu.settings import plugin_settings
+from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
+    watch_engine_process()
     for architecture, model_class in sorted(our_architectures().items()):
         ModelRegistry.register_model(architecture, model_class)
         check_settings_with_config(architecture)
@@ -33,7 +36,8 @@ def check_settings_with_config(architecture: str) -> None:
     """Check the plugin settings where vLLM checks a model's config: `MODELS_CONFIG_MAP[architecture]
     .verify_and_update_config(vllm_config)`, which `VllmConfig` runs while it is built (in the process that
     parses the arguments, before any engine process starts or loads weights; `additional_config` is the
-    earliest thing there that holds them). vLLM's own hook for the architecture, if any, runs first."""
+    earliest thing there that holds them). vLLM has no public hook for this: the entry is vLLM's own hook for
+    the architecture, if any, subclassed and still run first. The same moment names the engine's report file."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
     base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
@@ -47,5 +51,6 @@ def check_settings_with_config(architecture: str) -> None:
         def verify_and_update_config(vllm_config) -> None:
             base.verify_and_update_config(vllm_config)
             plugin_settings(vllm_config.additional_config)
+            new_engine_start()
 
     MODELS_CONFIG_MAP[architecture] = WithPluginSettings

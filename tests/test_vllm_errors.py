@@ -7,8 +7,11 @@ paying for an engine start per case.
 
 import os
 from pathlib import Path
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -273,3 +276,27 @@ def test_misspelled_setting_fails_before_the_engine_starts(int8_path, monkeypatc
     with pytest.raises(ValueError, match=r"--additional-config\.qwen4_exp_hcu: unknown setting\(s\) \['hot_rows_gibs'\]"):
         LLM(model=str(int8_path), max_model_len=256, hf_overrides=overrides,
             additional_config={"qwen4_exp_hcu": {"hot_rows_gibs": 1}})  # fmt: skip
+
+
+def test_failed_engine_start_ends_with_its_root_cause(int8_path, tmp_path):
+    """vLLM logs a failing engine process's traceback 100+ lines above the front-end's last words (`Engine core
+    initialization failed. See root cause above.`); the plugin repeats the root cause as the last line. A real
+    multi-process engine start of a checkpoint without a table scale, as a user's script runs it."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "no-scale"
+    shutil.copytree(int8_path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights[SCALE.format(0)]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    script = f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={str(broken)!r}, max_model_len=256)\n"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env.pop("_QWEN4_EXP_HCU_START_REPORT", None)  # this test process's own engine starts are not the script's
+    # vLLM logs to stdout, tracebacks go to stderr: the terminal shows both, interleaved as written
+    run = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = run.communicate(timeout=600)[0]
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert run.returncode != 0
+    assert any("Engine core initialization failed" in line for line in lines[:-1]), output[-3000:]
+    assert re.search(r"Root cause.*ValueError: .*shard_0\.weight_scale is missing from the checkpoint", lines[-1]), lines[-1]
+    assert not list(Path(tempfile.gettempdir()).glob(f"qwen4_exp_hcu-start-{run.pid}-*")), "report file left behind"
