@@ -36,7 +36,8 @@ def pin(ptr: int, nbytes: int, owner) -> None:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"registering {nbytes} bytes of PLE table as pinned host memory failed ({err}).")
+        raise RuntimeError(f"registering {nbytes} bytes of PLE table as pinned host memory failed: error {int(err)}, "
+                           f"{cudart.cudaGetErrorString(err)}.")
     weakref.finalize(owner, cudart.cudaHostUnregister, ptr)  # runs before the memory is released
 
 

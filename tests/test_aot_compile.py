@@ -1,0 +1,210 @@
+"""Every Triton kernel of the package compiles ahead of time for the GPUs we serve on (CDNA, Hopper, Ampere):
+no accelerator needed, so a kernel change that only an AMD or an older NVIDIA compiler rejects fails here.
+
+Each kernel is compiled with what its launcher really passes: the launcher runs on CPU stand-in tensors of
+the dtypes the library gives it, with its kernel swapped for a recorder, so the signature (from the argument
+dtypes), constexprs and num_warps come from the launcher itself and cannot drift from it. The variants are
+the ones the library launches: every table format of `PLETable` with its device and host tuning, with and
+without the hot-row cache; the n-gram hash of the tiny config and of the release geometry; the state
+scatter for the n-gram context and every model dtype of the conv window. Each compiles twice: as the JIT
+specializes a launch with aligned tensors (the usual case: vectorized or AMD buffer loads), and with no
+specialization (what misaligned arguments get).
+
+The compiles run in spawned workers with the interpreter off: conftest turns it on for CPU runs, and under
+it Triton's own library functions (`tl.zeros`, ...) are interpreter functions that no compiler takes.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from unittest import mock
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import native_specialize_impl
+
+from qwen4_exp_hcu.kernels import gather_dequant, ngram_hash, state_scatter
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.table import FORMATS, PLETable
+from qwen4_exp_hcu.tiny import load_config
+from release_layout import census, text_config
+
+TARGETS = {
+    "gfx906": GPUTarget("hip", "gfx906", 64),
+    "gfx90a": GPUTarget("hip", "gfx90a", 64),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+    "sm80": GPUTarget("cuda", 80, 32),
+    "sm90": GPUTarget("cuda", 90, 32),
+}
+ARTIFACTS = {"hip": {"amdgcn", "hsaco"}, "cuda": {"ptx", "cubin"}}
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: object  # the @triton.jit function
+    args: tuple
+    kwargs: dict
+
+
+def _record(module, kernel_name: str, launcher, *args, **kwargs) -> Launch:
+    """Run `launcher` with `module.<kernel_name>` swapped for a recorder: the launch it would make."""
+    launches = []
+    recorder = mock.MagicMock()
+    recorder.__getitem__.return_value = lambda *a, **kw: launches.append((a, kw))
+    kernel = getattr(module, kernel_name)
+    with mock.patch.object(module, kernel_name, recorder):
+        launcher(*args, **kwargs)
+    assert len(launches) == 1, f"{launcher.__name__} launched {kernel_name} {len(launches)} times, expected once"
+    return Launch(kernel, *launches[0])
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gather_launches(geometry: str, head_dim: int) -> dict[str, Launch]:
+    """`PLETable.lookup`'s calls, per format: device tuning, host tuning (sorted ids), each with and without
+    the hot-row cache where the format has one (BF16, INT8; the library caches host tables only, the
+    launcher takes a cache with either tuning)."""
+    ids = torch.zeros(3, 5, dtype=torch.int64)
+    out = torch.empty(3, 5 * head_dim, dtype=torch.bfloat16)
+    launches = {}
+    for fmt in FORMATS:
+        table = PLETable(64, head_dim, fmt=fmt)
+        # the scale and global scale as PLETable.lookup passes them
+        scale = table.tensor_scale if fmt == "fp8" else table.scale
+        global_scale = table.tensor_scale if fmt == "nvfp4" else None
+        caches = {"": None}
+        if fmt in ("bf16", "int8"):
+            caches["-cache"] = HotRows(table.weight, table.scale, 0, 64, 8, "cpu", observe=False).tensors
+        for where, tuning in (("device", PLETable.DEVICE_TUNING), ("host", PLETable.HOST_TUNING)):
+            for suffix, cache in caches.items():
+                launches[f"gather-{fmt}-{where}{suffix}-{geometry}"] = _record(
+                    gather_dequant, "_gather_dequant_kernel", gather_dequant.gather_dequant,
+                    ids, table.weight, scale, table.start, out, global_scale=global_scale, cache=cache, **tuning,
+                )  # fmt: skip
+    return launches
+
+
+def _hash_launches(geometry: str, spec: NgramHashSpec) -> dict[str, Launch]:
+    """`ngram_ids`' call: int32 token ids from vLLM, int64 from `PLEBatch.from_lengths`; int64 query start
+    locations and n-gram context, as the PLE layer passes them."""
+    qsl = torch.tensor([0, 3, 7])
+    ctx = torch.full((2, spec.context_len), spec.eos_token_id)
+    return {
+        f"hash-ids_{_name(dtype)}-{geometry}": _record(
+            ngram_hash, "_ngram_hash_kernel", ngram_hash.ngram_hash, spec, torch.arange(7, dtype=dtype), qsl, ctx
+        )
+        for dtype in (torch.int32, torch.int64)
+    }
+
+
+def _scatter_launches() -> dict[str, Launch]:
+    """`write_state`'s calls, int64 slots: the n-gram context (int64) and the conv window (the model's dtype,
+    any vLLM serves)."""
+    slots = torch.tensor([2, -1, 0])
+    return {
+        f"scatter-{_name(dtype)}": _record(
+            state_scatter, "_scatter_rows_kernel", state_scatter.scatter_rows,
+            torch.zeros(4, 6, 32, dtype=dtype), slots, torch.zeros(3, 6, 32, dtype=dtype),
+        )  # fmt: skip
+        for dtype in (torch.int64, torch.bfloat16, torch.float16, torch.float32)
+    }
+
+
+def _launches() -> dict[str, Launch]:
+    launches = {}
+    for geometry, cfg in (("tiny", load_config()), ("release", text_config(census()["config"]["bf16_config_json"]))):
+        spec = NgramHashSpec.from_config(cfg, 0)  # the kernels' constexprs are the same for every PLE layer
+        launches |= _gather_launches(geometry, spec.head_dim) | _hash_launches(geometry, spec)
+    return launches | _scatter_launches()
+
+
+@triton.jit
+def _fp8_decode_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    """A native e4m3 -> fp32 conversion, which Ampere has not (`_gather_dequant_kernel` decodes with integer ops)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.float32))
+
+
+LAUNCHES = _launches()
+# not a kernel of ours: what shows the check can fail (the last test)
+PROBES = {"fp8-decode": Launch(_fp8_decode_kernel, (torch.zeros(8, dtype=torch.float8_e4m3fn), torch.zeros(8)), dict(BLOCK=8))}
+
+
+def aot_compile(launch: Launch, target: GPUTarget, specialize: bool):
+    """`triton.compile` of `launch` for `target` with the signature, constexprs and options the JIT derives
+    from the same arguments (as `JITFunction._pack_args` does); `specialize`: the value specializations the
+    JIT makes for this target (16-byte alignment, AMD's 2 GiB buffer range), else none."""
+    kernel, backend = launch.kernel, make_backend(target)
+    bound = kernel.signature.bind(*launch.args, **{k: v for k, v in launch.kwargs.items() if k in kernel.arg_names})
+    options = {k: v for k, v in launch.kwargs.items() if k not in kernel.arg_names}  # num_warps, when passed
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, value) in enumerate(zip(kernel.params, bound.arguments.values())):
+        if param.is_constexpr:
+            ty, spec = "constexpr", ""
+            constexprs[param.name] = value
+        else:
+            ty, spec = native_specialize_impl(type(backend), value, False, specialize, specialize)
+            assert ty != "constexpr", f"{param.name}={value} is specialized to a constant: pick another stand-in"
+        signature[param.name] = ty
+        if spec is not None:  # None: not specialized, no attributes
+            attrs[(i,)] = backend.parse_attr(spec)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+
+
+def _compile_in_worker(variant: str, target: str, specialize: bool) -> dict:
+    """Runs in a worker: the artifacts that came out and num_warps, or the error."""
+    try:
+        compiled = aot_compile((LAUNCHES | PROBES)[variant], TARGETS[target], specialize)
+    except Exception:
+        return {"error": traceback.format_exc()}
+    return {"artifacts": {k for k, v in compiled.asm.items() if v}, "num_warps": compiled.metadata.num_warps}
+
+
+@pytest.fixture(scope="module")
+def compile_aot(request):
+    """`compile_aot(variant, target, specialize)` -> `_compile_in_worker`'s answer. Spawned workers (one per
+    core, at most 4: each imports torch) import Triton with the interpreter off; every selected compile
+    test's case is submitted up front, so the workers compile in parallel."""
+    workers = min(4, len(os.sched_getaffinity(0)))
+    pool, futures = ProcessPoolExecutor(workers, mp_context=get_context("spawn")), {}
+
+    def submit(*case):
+        if case not in futures:
+            with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # workers start on submit, with this env
+                futures[case] = pool.submit(_compile_in_worker, *case)
+        return futures[case]
+
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == test_kernel_compiles_ahead_of_time.__name__:
+            submit(*(item.callspec.params[k] for k in ("variant", "target", "specialize")))
+    try:
+        yield lambda *case: submit(*case).result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("specialize", [True, False], ids=["specialized", "generic"])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("variant", LAUNCHES)
+def test_kernel_compiles_ahead_of_time(compile_aot, variant, target, specialize):
+    result = compile_aot(variant, target, specialize)
+    assert "error" not in result, result.get("error")
+    assert ARTIFACTS[TARGETS[target].backend] <= result["artifacts"], result["artifacts"]
+    assert result["num_warps"] == LAUNCHES[variant].kwargs.get("num_warps", 4)  # Triton's default: 4
+
+
+def test_a_kernel_a_target_cannot_compile_fails(compile_aot):
+    """The check can fail: a native fp8 e4m3 decode compiles for Hopper and is an error for Ampere."""
+    assert "error" not in compile_aot("fp8-decode", "sm90", True)
+    assert "fp8e4nv not supported in this architecture" in compile_aot("fp8-decode", "sm80", True)["error"]
