@@ -61,18 +61,19 @@ def token_streams(n: int, gen: torch.Generator, offset: int = 0) -> dict[str, to
 
 
 @triton.jit
-def _packed_kernel(ids_ptr, rows_ptr, out_ptr, n_pairs, D: tl.constexpr, BLOCK_P: tl.constexpr):
+def _packed_kernel(ids_ptr, rows_ptr, out_ptr, n_pairs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
     """Variant: scale stored beside its row ([rows, D + 2] bytes), one contiguous read per row."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     m = p < n_pairs
     row = tl.load(ids_ptr + p, mask=m, other=0)
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, BLOCK_D)
+    mc = m[:, None] & (cols[None, :] < D)
     base = rows_ptr + row * (D + 2)
-    w = tl.load(base[:, None] + cols[None, :], mask=m[:, None], other=0).to(tl.float32)
+    w = tl.load(base[:, None] + cols[None, :], mask=mc, other=0).to(tl.float32)
     lo = tl.load(base + D, mask=m, other=0).to(tl.uint8).to(tl.uint16)
     hi = tl.load(base + D + 1, mask=m, other=0).to(tl.uint8).to(tl.uint16)
     scale = (lo | (hi << 8)).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    tl.store(out_ptr + p[:, None] * D + cols[None, :], _to_bf16_rtne(w * scale[:, None]), mask=m[:, None])
+    tl.store(out_ptr + p[:, None] * D + cols[None, :], _to_bf16_rtne(w * scale[:, None]), mask=mc)
 
 
 def uva_view(t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ def main() -> None:
     if packed is not None:
         bp, nw = tuned[False]["block_p"], tuned[False]["num_warps"]
         variants["fused, scale beside row"] = lambda ids: _packed_kernel[(triton.cdiv(T * H, bp),)](
-            ids, packed, out, T * H, D=D, BLOCK_P=bp, num_warps=nw
+            ids, packed, out, T * H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=bp, num_warps=nw
         )
 
     results = {}
@@ -286,8 +287,8 @@ def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generato
             t.weight[a : a + n].copy_(b.view(t.weight.dtype))
             if fmt == "nvfp4":
                 t.scale[a : a + n].copy_(torch.randint(0x30, 0x48, t.scale[a : a + n].shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn))
-    if t.tensor_scale is not None:
-        t.tensor_scale.fill_(0.01)
+    if t.tensor_scale is not None:  # through the loader's path: FP8 multiplies by the bf16-rounded scale
+        t.set_table_scale(torch.tensor([0.01]), "table scale")
     return t
 
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# NVIDIA's CuTe DSL (nvidia-cutlass-dsl 4.8.1, CUDA 13 libs) and QuACK (vLLM 0.33 pins quack-kernels 0.6.5) for vLLM 0.33's own Qwen4Exp class on the GPU machine,
+# which has no network. Its CUDA 13 libs wheel (92 MB) exceeds one device call's 64 MiB carry, so it travels in
+# two git-ignored folders (echo '/.dsl*/' >> .git/info/exclude), carried by two calls on a warm machine:
+#   here:                 bash tests/gpu_cute_dsl.sh fetch
+#   device, call 1:       carry [".dsla"]  bash tests/gpu_cute_dsl.sh stash
+#   device, call 2:       carry [".dslb"]  bash tests/gpu_cute_dsl.sh stash
+#   device, later calls:  source tests/gpu_cute_dsl.sh install   (joins, installs into /tmp/dsl-site, exports PYTHONPATH)
+set -eo pipefail
+V=4.8.1
+case "${1:-}" in
+fetch)
+  rm -rf .dsla .dslb /tmp/dsl-fetch && mkdir -p .dsla .dslb /tmp/dsl-fetch
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d /tmp/dsl-fetch \
+    nvidia-cutlass-dsl==$V nvidia-cutlass-dsl-libs-base==$V nvidia-cutlass-dsl-libs-core==$V \
+    nvidia-cutlass-dsl-libs-cu13==$V cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 \
+    quack-kernels==0.6.5 torch-c-dlpack-ext==0.1.5 einops==0.8.2
+  big=$(ls /tmp/dsl-fetch/nvidia_cutlass_dsl_libs_cu13-*.whl)
+  split -b 46m "$big" .dsla/part. && mv .dsla/part.ab .dslb/ && basename "$big" > .dslb/name
+  mv /tmp/dsl-fetch/*.whl .dslb/ 2>/dev/null; rm -f ".dslb/$(basename "$big")"
+  du -sh .dsla .dslb ;;
+stash)
+  mkdir -p /tmp/dsl-stash && cp .dsla/* .dslb/* /tmp/dsl-stash/ 2>/dev/null || true; ls -la /tmp/dsl-stash ;;
+install)
+  cd /tmp/dsl-stash && cat part.aa part.ab > "$(cat name)" && cd - > /dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dsl-site \
+    /tmp/dsl-stash/*.whl 2>&1 | grep -v "WARNING: Target directory" || true
+  export PYTHONPATH=/tmp/dsl-site/nvidia_cutlass_dsl/dsl_packages:/tmp/dsl-site${PYTHONPATH:+:$PYTHONPATH} ;;
+*) echo "usage: $0 fetch|stash|install" >&2; exit 2 ;;
+esac
