@@ -35,10 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_SCALE_PART, TABLE_TARGET
+from qwen4_exp_hcu.ple.formats import FORMATS, SAFETENSORS_DTYPES, stored_as
 
 if TYPE_CHECKING:
     import torch
     from tqdm import tqdm
+
+    from qwen4_exp_hcu.ple.formats import TableFormat
 
 CONFIG = "config.json"
 MODELOPT_CONFIG = "hf_quant_config.json"
@@ -53,9 +56,11 @@ _DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
-# float rows (F16 is widened to F32, exactly), upstream's FP8 and NVFP4 layouts
-_SOURCE_TABLE_DTYPES = ("BF16", "F32", "F16", "F8_E4M3", "U8")
-FORMATS = ("int8", "nvfp4")
+# upstream's layouts, read and converted: the formats with one scale per table, by their rows' dtype (FP8, NVFP4)
+_UPSTREAM = {f.checkpoint_dtype: f for f in FORMATS.values() if f.table_scale}
+# float rows (F16 is widened to F32, exactly) and upstream's layouts
+_SOURCE_TABLE_DTYPES = ("BF16", "F32", "F16", *_UPSTREAM)
+TARGETS = tuple(name for name, f in FORMATS.items() if f.quantize)  # what `--format` writes
 
 
 def is_ple_table(tensor_name: str) -> bool:
@@ -97,28 +102,27 @@ class _Entry:
         self.nbytes = _nbytes(name, dtype, shape)
 
 
-# upstream's one scale per FP8 / NVFP4 table, by its shards' dtype
-_TABLE_SCALE = {"F8_E4M3": TABLE_SCALE_PART["fp8"], "U8": TABLE_SCALE_PART["nvfp4"]}
-
-
 def _source_rows(f, name: str, source_scales: dict[str, torch.Tensor]) -> torch.Tensor:
     """A PLE table shard as float rows: BF16/F32 as stored, F16 widened to F32 (exact); upstream's FP8 (e4m3 +
     the table's `weight_scale`) and NVFP4 (packed e2m1 + e4m3 block `weight_scale` + the table's
     `weight_scale_2`) dequantized to BF16."""
     import torch
 
-    from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows
-
     weight = f.get_tensor(name)
-    if weight.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8_rows(weight, source_scales[_table_of(name)])
-    if weight.dtype == torch.uint8:
-        return dequantize_nvfp4_rows(weight, f.get_tensor(_scale_name(name)), source_scales[_table_of(name)])
+    source = stored_as(weight.dtype)
+    if source is not None and source.table_scale:  # upstream's layouts
+        row_scale = f.get_tensor(_scale_name(name)) if source.row_scale else None
+        return source.dequantize(weight, row_scale, source_scales[_table_of(name)])
     return weight.float() if weight.dtype == torch.float16 else weight
 
 
+def _has_row_scales(dtype: str) -> bool:
+    """Whether a source shard of this dtype comes with per-shard scales (`shard_{j}.weight_scale`: NVFP4's)."""
+    return dtype in _UPSTREAM and _UPSTREAM[dtype].row_scale is not None
+
+
 def _check_table_shard(name: str, dtype: str, shape: list[int]) -> None:
-    if dtype == "I8":
+    if dtype == FORMATS["int8"].checkpoint_dtype:
         raise ValueError(f"{name}: PLE table already quantized (INT8 rows); quantize from the BF16 checkpoint")
     if dtype not in _SOURCE_TABLE_DTYPES:
         raise ValueError(f"{name}: PLE table dtype {dtype} is not a source the quantizer reads {_SOURCE_TABLE_DTYPES}")
@@ -127,17 +131,16 @@ def _check_table_shard(name: str, dtype: str, shape: list[int]) -> None:
 
 
 def _plan_file(
-    f, source_scales: dict[str, torch.Tensor], tensor_scales: dict[str, torch.Tensor] | None, written: set[str]
+    f, target: TableFormat, source_scales: dict[str, torch.Tensor], tensor_scales: dict[str, torch.Tensor] | None,
+    written: set[str],
 ) -> list[_Entry]:  # fmt: skip
-    """Output tensors of one safetensors file; a PLE table expands to INT8 weight + bf16 row scale (or, with
-    `tensor_scales` {table: fp32 scale}, NVFP4 packed weight + block scales, and the table's one scale in the
-    file of its first shard; `written` tracks those), and the scales of an FP8/NVFP4 source table are dropped."""
-    from qwen4_exp_hcu.ple.formats import NVFP4_BLOCK, quantize_nvfp4_rows
-    from qwen4_exp_hcu.ple.int8 import quantize_rows
-
+    """Output tensors of one safetensors file; a PLE table shard expands to `target`'s weight + row scales (INT8:
+    a bf16 scale per row; NVFP4: packed e2m1 + e4m3 block scales, and, from `tensor_scales` {table: fp32 scale},
+    the table's one scale in the file of its first shard; `written` tracks those), and the scales of an
+    FP8/NVFP4 source table are dropped."""
     entries, keys = [], set(f.keys())
-    dropped = {_scale_name(n) for n in keys if is_ple_table(n) and f.get_slice(n).get_dtype() == "U8"}
-    dropped |= {f"{t}.{part}" for t in source_scales for part in _TABLE_SCALE.values()}
+    dropped = {_scale_name(n) for n in keys if is_ple_table(n) and _has_row_scales(f.get_slice(n).get_dtype())}
+    dropped |= {f"{t}.{fmt.table_scale}" for t in source_scales for fmt in _UPSTREAM.values()}
     for name in f.keys():
         sl = f.get_slice(name)
         dtype, shape = sl.get_dtype(), list(sl.get_shape())
@@ -147,36 +150,31 @@ def _plan_file(
             entries.append(_Entry(name, dtype, shape, lambda name=name: f.get_tensor(name), copied=True))
             continue
         _check_table_shard(name, dtype, shape)
-        if dtype == "U8" and _scale_name(name) not in keys:
-            raise ValueError(f"{_scale_name(name)}: missing beside its NVFP4 PLE table shard (expected in the same file)")
-        width = shape[1] * (2 if dtype == "U8" else 1)
-        stash: dict[str, torch.Tensor] = {}  # the scale waits here for the entry written right after its weight
-        if tensor_scales is None:
-
-            def weight(name=name, stash=stash):
-                try:
-                    q, stash["scale"] = quantize_rows(_source_rows(f, name, source_scales))
-                except ValueError as e:
-                    raise ValueError(f"{name}: {e}") from e
-                return q
-
-            entries.append(_Entry(name, "I8", [shape[0], width], weight))
-            entries.append(_Entry(_scale_name(name), "BF16", [shape[0], 1], lambda stash=stash: stash.pop("scale")))
-            continue
-        if width % NVFP4_BLOCK:
-            raise ValueError(f"{name}: NVFP4 rows hold blocks of {NVFP4_BLOCK} values; the row width {width} is not a multiple")
+        source = _UPSTREAM.get(dtype)
+        if _has_row_scales(dtype) and _scale_name(name) not in keys:
+            raise ValueError(f"{_scale_name(name)}: missing beside its {source.name.upper()} PLE table shard (expected in the same file)")
+        width = shape[1] * (source.pack if source else 1)
+        block = target.row_scale.block
+        if block and width % block:
+            raise ValueError(f"{name}: {target.name.upper()} rows hold blocks of {block} values; the row width {width} is not a multiple")
         table = _table_of(name)
-        table_scale = tensor_scales[table]
+        table_scale = None if tensor_scales is None else tensor_scales[table]
+        stash: dict[str, torch.Tensor] = {}  # the scale waits here for the entry written right after its weight
 
-        def packed(name=name, stash=stash, table_scale=table_scale):
-            q, stash["scale"] = quantize_nvfp4_rows(_source_rows(f, name, source_scales), table_scale)
+        def weight(name=name, stash=stash, table_scale=table_scale):
+            try:
+                q, stash["scale"] = target.quantize(_source_rows(f, name, source_scales), table_scale)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
             return q
 
-        entries.append(_Entry(name, "U8", [shape[0], width // 2], packed))
-        entries.append(_Entry(_scale_name(name), "F8_E4M3", [shape[0], width // NVFP4_BLOCK], lambda stash=stash: stash.pop("scale")))
-        if table not in written:
+        entries.append(_Entry(name, target.checkpoint_dtype, list(target.weight_shape(shape[0], width)), weight))
+        scale_dtype, scale_shape = SAFETENSORS_DTYPES[target.row_scale.dtype], list(target.row_scale.shape(shape[0], width))
+        entries.append(_Entry(_scale_name(name), scale_dtype, scale_shape, lambda stash=stash: stash.pop("scale")))
+        if table_scale is not None and table not in written:
             written.add(table)
-            entries.append(_Entry(f"{table}.weight_scale_2", "F32", [1], lambda table_scale=table_scale: table_scale))
+            scale_dtype = SAFETENSORS_DTYPES[target.table_scale_dtype]
+            entries.append(_Entry(f"{table}.{target.table_scale}", scale_dtype, [1], lambda table_scale=table_scale: table_scale))
     return entries
 
 
@@ -273,9 +271,9 @@ def _open_all(src: Path, files: list[str], stack: ExitStack) -> list:
 
 
 def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
-    """SRC's config declaring the tables in `fmt`: INT8 as our PLE group merged into its quantization config
-    (kept as it is otherwise), NVFP4 as the text config's `ple_embedding_dtype`, upstream's marker. Earlier
-    FP8 declarations of the tables are removed first."""
+    """SRC's config declaring the tables in `fmt`: a format upstream names (NVFP4) as the text config's
+    `ple_embedding_dtype`, upstream's marker; INT8 as our PLE group merged into its quantization config (kept as
+    it is otherwise). Earlier FP8 declarations of the tables are removed first."""
     from qwen4_exp_hcu.ple.declaration import without_fp8_declarations
     from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
 
@@ -286,8 +284,8 @@ def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
     text.pop("ple_embedding_dtype", None)  # upstream's FP8/NVFP4 table marker, replaced below
     if config.get("quantization_config"):
         config["quantization_config"] = without_fp8_declarations(config["quantization_config"], tables)
-    if fmt == "nvfp4":
-        text["ple_embedding_dtype"] = "nvfp4"
+    if FORMATS[fmt].upstream_dtype:
+        text["ple_embedding_dtype"] = FORMATS[fmt].upstream_dtype
         return config
     main = config.get("quantization_config")
     if main is None and (src / MODELOPT_CONFIG).is_file():  # ModelOpt <= 0.29 keeps it beside config.json
@@ -312,16 +310,14 @@ def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator
             shutil.copy2(p, dst / p.name)
 
 
-def _table_scales(handles, source_scales) -> dict[str, torch.Tensor]:
-    """NVFP4's one fp32 scale per table, from its largest magnitude over all its shards (a first pass)."""
-    from qwen4_exp_hcu.ple.formats import nvfp4_tensor_scale
-
+def _table_scales(handles, source_scales, target: TableFormat) -> dict[str, torch.Tensor]:
+    """`target`'s one scale per table (NVFP4: fp32), from its largest magnitude over all its shards (a first pass)."""
     amax: dict[str, float] = {}
     for f in handles:
         for name in filter(is_ple_table, f.keys()):
             peak = _source_rows(f, name, source_scales).float().abs().max().item()
             amax[_table_of(name)] = max(amax.get(_table_of(name), 0.0), peak)
-    return {table: nvfp4_tensor_scale(peak) for table, peak in amax.items()}
+    return {table: target.quantize_table_scale(peak) for table, peak in amax.items()}
 
 
 _OLD_LAYOUT = "an earlier qwen4_exp_hcu layout (a table scale per shard); quantize from the BF16 checkpoint instead"
@@ -334,29 +330,32 @@ def _source_table_scales(handles, dtypes: dict[str, str]) -> dict[str, torch.Ten
     scales = {}
     for name in filter(is_ple_table, dtypes):
         dtype, table = dtypes[name], _table_of(name)
-        if (dtype == "F8_E4M3" and _scale_name(name) in dtypes) or _scale_name(name) + "_2" in dtypes:
-            raise ValueError(f"{_scale_name(name)}{'_2' if dtype == 'U8' else ''}: {_OLD_LAYOUT}")
-        if dtype in _TABLE_SCALE and table not in scales:
-            scale_name = f"{table}.{_TABLE_SCALE[dtype]}"
+        own = {SCALE_SUFFIX} if _has_row_scales(dtype) else set()  # NVFP4's block scales are no copy
+        shard = name.removesuffix("weight")
+        copies = [shard + part for part in TABLE_SCALE_PART.values() if part not in own and shard + part in dtypes]
+        if copies:
+            raise ValueError(f"{copies[0]}: {_OLD_LAYOUT}")
+        if dtype in _UPSTREAM and table not in scales:
+            scale_name = f"{table}.{_UPSTREAM[dtype].table_scale}"
             if scale_name not in where:
                 raise ValueError(f"{scale_name}: missing, the one scale of the {dtype} PLE table {table}")
             scales[table] = where[scale_name].get_tensor(scale_name)
     return scales
 
 
-def _plan(src: Path, handles, fmt: str) -> list[list[_Entry]]:
+def _plan(src: Path, handles, target: TableFormat) -> list[list[_Entry]]:
     """The output tensors of every file of SRC, in order; every check that needs no table data is made here."""
     dtypes = {k: h.get_slice(k).get_dtype() for h in handles for k in h.keys()}
     scales = [n for n in dtypes if n.endswith(f".{SCALE_SUFFIX}") and is_ple_table(n.removesuffix("_scale"))]
-    stray = [n for n in scales if dtypes.get(n.removesuffix("_scale")) not in ("F8_E4M3", "U8")]
+    stray = [n for n in scales if dtypes.get(n.removesuffix("_scale")) not in _UPSTREAM]
     if stray:  # only upstream's NVFP4 tables come with per-shard scales to convert
         raise ValueError(f"{stray[0]}: SRC already holds quantized PLE tables")
     if not any(map(is_ple_table, dtypes)):
         raise ValueError(f"no PLE tables (...ple_embedding.ngram_embedding.shard_j.weight) in {src}")
     source_scales = _source_table_scales(handles, dtypes)
-    tensor_scales = _table_scales(handles, source_scales) if fmt == "nvfp4" else None
+    tensor_scales = _table_scales(handles, source_scales, target) if target.table_scale else None
     written: set[str] = set()
-    return [_plan_file(f, source_scales, tensor_scales, written) for f in handles]
+    return [_plan_file(f, target, source_scales, tensor_scales, written) for f in handles]
 
 
 @dataclass(frozen=True)
@@ -404,8 +403,8 @@ def _summary(handles, plans: list[list[_Entry]], seconds: float) -> Summary:
 def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str = "int8") -> Summary:
     """Write the copy of checkpoint SRC with its PLE tables in `fmt` (INT8 or NVFP4) into DST (absent or empty)."""
     start = time.perf_counter()
-    if fmt not in FORMATS:
-        raise ValueError(f"PLE table format {fmt!r} is not one of {FORMATS}")
+    if fmt not in TARGETS:
+        raise ValueError(f"PLE table format {fmt!r} is not one of {TARGETS}")
     src, dst = Path(src), Path(dst)
     if not (src / CONFIG).is_file():
         raise FileNotFoundError(f"{src} has no {CONFIG}")
@@ -419,7 +418,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str
     with ExitStack() as stack:
         handles = _open_all(src, files, stack)
         config = _load_config(src, fmt, sorted({_table_of(k) for h in handles for k in h.keys() if is_ple_table(k)}))
-        plans = _plan(src, handles, fmt)
+        plans = _plan(src, handles, FORMATS[fmt])
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
         tmp.mkdir()
@@ -441,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("src", help="Hugging Face checkpoint folder (PLE tables in BF16, F32, F16, FP8 or NVFP4)")
     parser.add_argument("dst", help="output folder (must not exist, or be empty)")
-    parser.add_argument("--format", choices=FORMATS, default="int8", help="the PLE tables' format in DST")
+    parser.add_argument("--format", choices=TARGETS, default="int8", help="the PLE tables' format in DST")
     args = parser.parse_args(argv)
     try:
         summary = quantize_checkpoint(args.src, args.dst, args.format)

@@ -12,8 +12,7 @@ interpreter (CPU) and the GPU agree bit for bit. The format follows the storage 
 Host tables are bound by address translation of random rows, not by PCIe bandwidth, so `sort` visits
 the rows in id order (neighbouring programs touch neighbouring pages; the permutation scatters results
 back). An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss) is checked in the same
-kernel; hits never touch host memory.
-Reference: `qwen4_exp_hcu.ple.table.gather_dequant_reference`.
+kernel; hits never touch host memory. `gather_dequant_reference` is the same in torch.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-# FMT switch by storage dtype: bf16 rows, int8 rows, e4m3 rows, packed e2m1 bytes (NVFP4)
-_FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.uint8: 3}
+from qwen4_exp_hcu.ple.formats import FORMATS, table_format
 
 
 @triton.jit
@@ -63,8 +61,8 @@ def _gather_dequant_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     FMT: tl.constexpr, HAS_PERM: tl.constexpr, HAS_CACHE: tl.constexpr,
 ):
-    """FMT: 0 bf16, 1 int8 + row scale, 2 fp8 (bytes) + tensor scale, 3 nvfp4 (packed bytes, block-scale
-    bytes, global scale). The hot-row cache serves formats 0 and 1."""
+    """FMT (`TableFormat.kernel`): 0 bf16, 1 int8 + row scale, 2 fp8 (bytes) + tensor scale, 3 nvfp4 (packed
+    bytes, block-scale bytes, global scale). The hot-row cache serves formats 0 and 1."""
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -113,16 +111,17 @@ def gather_dequant(
     bf16 weight (scale None); int8 weight + [n, 1] bf16 scale; float8_e4m3fn weight + fp32 scalar
     scale; uint8 packed weight [n, d/2] + e4m3 [n, d/16] scale + fp32 `global_scale`.
     `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales): BF16/INT8 only."""
-    fmt = _FORMATS[weight.dtype]
-    if cache is not None and fmt > 1:
+    fmt = FORMATS[table_format(weight, scale)]
+    if cache is not None and not fmt.hot_rows:
         raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {weight.dtype}.")
-    if (global_scale is not None) != (fmt == 3):
+    if (global_scale is not None) != (fmt.row_scale is not None and fmt.table_scale is not None):
         raise ValueError("global_scale is the NVFP4 tensor scale: needed by NVFP4 tables, taken by no other.")
     n_pairs = ids.numel()
     if n_pairs:
-        d = weight.shape[1] * (2 if fmt == 3 else 1)
-        if fmt == 3 and d % 16:
-            raise ValueError(f"NVFP4 rows must hold a multiple of 16 values, got {d}.")
+        d = weight.shape[1] * fmt.pack
+        block = fmt.row_scale.block if fmt.row_scale else None
+        if block and d % block:
+            raise ValueError(f"{fmt.name.upper()} rows must hold a multiple of {block} values, got {d}.")
         flat, perm = ids.reshape(-1), None
         if sort:
             flat, perm = torch.sort(flat)
@@ -134,6 +133,22 @@ def gather_dequant(
             cmap, cw, cs if cs is not None else cw, out,
             n_pairs, start, weight.shape[0],
             D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
-            FMT=fmt, HAS_PERM=sort, HAS_CACHE=cache is not None, num_warps=num_warps,
+            FMT=fmt.kernel, HAS_PERM=sort, HAS_CACHE=cache is not None, num_warps=num_warps,
         )
     return out
+
+
+def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None) -> torch.Tensor:
+    """`gather_dequant` in torch, returning [T, H*d] bf16: each format's `TableFormat.dequantize`."""
+    fmt = FORMATS[table_format(weight, scale)]
+    n, d = weight.shape[0], weight.shape[1] * fmt.pack
+    local = ids.long() - start
+    owned = (local >= 0) & (local < n)
+    if n == 0:
+        return torch.zeros(*ids.shape[:-1], ids.shape[-1] * d, dtype=torch.bfloat16, device=ids.device)
+    rows = local.clamp(0, n - 1).reshape(-1)
+    # the kernel's convention: `scale` holds the row scales, or the table scale of a format without them
+    row_scale, table_scale = (scale[rows], global_scale) if fmt.row_scale else (None, scale)
+    vals = fmt.dequantize(weight[rows], row_scale, table_scale).view(*local.shape, d)
+    vals = torch.where(owned[..., None], vals, torch.zeros((), dtype=torch.bfloat16, device=vals.device))
+    return vals.flatten(-2)

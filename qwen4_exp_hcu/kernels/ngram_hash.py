@@ -1,9 +1,9 @@
 """Triton n-gram hash: packed token ids -> [T, H] table row ids, one launch, no host syncs.
 
-Reference: `qwen4_exp_hcu.ple.hashing.ngram_ids_reference`. Each program takes BLOCK_T tokens, finds
-their request by a binary search over `query_start_loc` (fixed iteration count, so it captures in a
-CUDA graph), walks back ngram_size-1 tokens (into the request's n-gram context when the chunk is too
-short) with the EOS rule, and writes every head's row id.
+The hash is defined in `qwen4_exp_hcu.ple.hashing`; `spec` is its `NgramHashSpec`. Each program takes BLOCK_T
+tokens, finds their request by a binary search over `query_start_loc` (fixed iteration count, so it captures
+in a CUDA graph), walks back ngram_size-1 tokens (into the request's n-gram context when the chunk is too
+short) with the EOS rule, and writes every head's row id. `ngram_ids_reference` is the same in torch.
 """
 
 from __future__ import annotations
@@ -85,3 +85,35 @@ def ngram_hash(spec, input_ids, query_start_loc, ngram_context, out=None, block_
         H_PAD=triton.next_power_of_2(spec.num_heads), BLOCK_T=block_t,
     )
     return out
+
+
+def _shifted_tokens(spec, input_ids, query_start_loc, ngram_context) -> list[torch.Tensor]:
+    """shift_k(t) for k = 0..N-1 with the EOS rule, each int64 [T]."""
+    T = input_ids.shape[0]
+    ids = input_ids.long()
+    qsl = query_start_loc.long()
+    pos = torch.arange(T, device=ids.device)
+    req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(ngram_context.shape[0] - 1)
+    i = pos - qsl[req]
+    ctx = ngram_context.long()
+    shifted, blocked = [ids], torch.zeros(T, dtype=torch.bool, device=ids.device)
+    for k in range(1, spec.ngram_size):
+        j = i - k
+        from_chunk = ids[(pos - k).clamp_min(0)]
+        from_ctx = ctx[req, (spec.context_len + j).clamp(0, spec.context_len - 1)]
+        tok = torch.where(j >= 0, from_chunk, from_ctx)
+        blocked = blocked | (tok == spec.eos_token_id)
+        shifted.append(torch.where(blocked, spec.eos_token_id, tok))
+    return shifted
+
+
+def ngram_ids_reference(spec, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
+    """Torch reference: int64 [T, H] row ids for a packed batch (request r = tokens qsl[r]:qsl[r+1])."""
+    mult, sizes, offsets = spec.tensors(input_ids.device)
+    shifted = _shifted_tokens(spec, input_ids, query_start_loc, ngram_context)
+    mixed, blocks = shifted[0] * mult[0], []
+    for n in range(2, spec.ngram_size + 1):
+        mixed = mixed ^ (shifted[n - 1] * mult[n - 1])
+        h = slice((n - 2) * spec.heads_per_ngram, (n - 1) * spec.heads_per_ngram)
+        blocks.append(torch.remainder(mixed[:, None], sizes[h]) + offsets[h])
+    return torch.cat(blocks, dim=1)

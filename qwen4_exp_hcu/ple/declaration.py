@@ -15,10 +15,12 @@ from __future__ import annotations
 import copy
 
 from qwen4_exp_hcu.names import TABLE, ple_layers
+from qwen4_exp_hcu.ple.formats import FORMATS
 from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_tables_config
 
-UPSTREAM_DTYPES = {"float8_e4m3fn": "fp8", "nvfp4": "nvfp4"}  # `ple_embedding_dtype` -> our format name
-_MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
+# how upstream's `ple_embedding_dtype` and ModelOpt's `quant_algo` name our formats
+UPSTREAM_DTYPES = {f.upstream_dtype: name for name, f in FORMATS.items() if f.upstream_dtype}
+_MODELOPT_ALGOS = {f.modelopt_algo: name for name, f in FORMATS.items() if f.modelopt_algo}
 
 
 def _runtime(name: str) -> str:

@@ -14,6 +14,9 @@ from functools import lru_cache
 
 import torch
 
+from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash, ngram_ids_reference
+
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
 _LAYER_STRIDE = 10007
@@ -144,43 +147,7 @@ class NgramHashSpec:
         return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (self.multipliers, self.head_sizes, self.head_offsets))
 
 
-def _shifted_tokens(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> list[torch.Tensor]:
-    """shift_k(t) for k = 0..N-1 with the EOS rule, each int64 [T]."""
-    T = input_ids.shape[0]
-    ids = input_ids.long()
-    qsl = query_start_loc.long()
-    pos = torch.arange(T, device=ids.device)
-    req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(ngram_context.shape[0] - 1)
-    i = pos - qsl[req]
-    ctx = ngram_context.long()
-    shifted, blocked = [ids], torch.zeros(T, dtype=torch.bool, device=ids.device)
-    for k in range(1, spec.ngram_size):
-        j = i - k
-        from_chunk = ids[(pos - k).clamp_min(0)]
-        from_ctx = ctx[req, (spec.context_len + j).clamp(0, spec.context_len - 1)]
-        tok = torch.where(j >= 0, from_chunk, from_ctx)
-        blocked = blocked | (tok == spec.eos_token_id)
-        shifted.append(torch.where(blocked, spec.eos_token_id, tok))
-    return shifted
-
-
-def ngram_ids_reference(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
-    """Torch reference: int64 [T, H] row ids for a packed batch (request r = tokens qsl[r]:qsl[r+1])."""
-    mult, sizes, offsets = spec.tensors(input_ids.device)
-    shifted = _shifted_tokens(spec, input_ids, query_start_loc, ngram_context)
-    mixed, blocks = shifted[0] * mult[0], []
-    for n in range(2, spec.ngram_size + 1):
-        mixed = mixed ^ (shifted[n - 1] * mult[n - 1])
-        h = slice((n - 2) * spec.heads_per_ngram, (n - 1) * spec.heads_per_ngram)
-        blocks.append(torch.remainder(mixed[:, None], sizes[h]) + offsets[h])
-    return torch.cat(blocks, dim=1)
-
-
 def ngram_ids(spec: NgramHashSpec, input_ids, query_start_loc, ngram_context, out=None) -> torch.Tensor:
-    """Row ids [T, H] int64; Triton on accelerators, the torch reference on CPU. No host syncs."""
-    if input_ids.device.type == "cpu":
-        ids = ngram_ids_reference(spec, input_ids, query_start_loc, ngram_context)
-        return ids if out is None else out.copy_(ids)
-    from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
-
-    return ngram_hash(spec, input_ids, query_start_loc, ngram_context, out=out)
+    """Row ids [T, H] int64 for a packed batch (request r = tokens qsl[r]:qsl[r+1]): Triton on accelerators, the
+    torch reference on the CPU (`kernels.dispatch`). No host syncs."""
+    return dispatch(ngram_hash, ngram_ids_reference, spec, input_ids, query_start_loc, ngram_context, out=out)

@@ -1,5 +1,5 @@
-"""Host memory of PLE tables: on 2 MiB pages (vLLM's `use_thp`), and shared by the DP replicas on one
-node (vLLM's `dp_shared_memory`).
+"""Host memory of PLE tables: pinned for the accelerator (UVA), on 2 MiB pages (vLLM's `use_thp`), and shared
+by the DP replicas on one node (vLLM's `dp_shared_memory`).
 
 Huge pages: a table's private host memory is mapped on hugetlb pages when enough are reserved
 (`vm.nr_hugepages`), else as transparent huge pages (`madvise`), else on ordinary pages with a warning.
@@ -16,11 +16,14 @@ when the last process exits. `run` is unique per serving run, so leftovers never
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
+import weakref
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,26 @@ SHM_DIR = "/dev/shm"
 HUGE_PAGE = 2 << 20
 MAP_HUGETLB = 0x40000  # Linux; Python's mmap module does not name it
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def pin(ptr: int, nbytes: int, owner) -> None:
+    """Register host memory for the accelerator (UVA) until `owner` is freed."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"registering {nbytes} bytes of PLE table as pinned host memory failed: error {int(err)}, "
+                           f"{cudart.cudaGetErrorString(err)}.")
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)  # runs before the memory is released
+
+
+def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Host memory of exactly the table's size, page-locked and mapped for the accelerator (UVA).
+    torch's pinned allocator rounds every block up to a power of two (a 12 GB table would take 16 GB),
+    so the table registers an ordinary allocation instead, and unregisters it before it is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+    pin(buf.ctypes.data, buf.nbytes, buf)
+    return torch.from_numpy(buf)[:nbytes].view(dtype).view(shape)
 
 
 def _free_hugetlb_bytes() -> int:
@@ -68,8 +91,6 @@ def huge_page_empty(shape, dtype: torch.dtype, name: str = "PLE table") -> tuple
     offset = (-tensor.data_ptr()) % HUGE_PAGE if kind != "hugetlb" else 0
     tensor = tensor[offset : offset + size]
     if torch.cuda.is_available():
-        from qwen4_exp_hcu.ple.table import pin
-
         pin(tensor.data_ptr(), size, mapping)
     return tensor[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape), kind
 
@@ -120,8 +141,6 @@ class SharedHost:
         self._mappings.append(mapping)
         tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         if torch.cuda.is_available():  # every process registers its own mapping; the memory is counted once
-            from qwen4_exp_hcu.ple.table import pin
-
             pin(tensor.data_ptr(), nbytes, mapping)
         return tensor[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
 

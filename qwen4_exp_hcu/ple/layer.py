@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SHARD, TABLE, TABLE_SCALE, UNUSED
+from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels.state_scatter import scatter_rows, scatter_rows_reference
+from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, TABLE_SCALE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, Group
+from qwen4_exp_hcu.ple.formats import FORMATS
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.host_memory import SharedHost
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -24,11 +27,7 @@ from qwen4_exp_hcu.ple.hot_rows import HotRows
 
 def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
     """state[slot] = row for real requests only (slot >= 0)."""
-    if state.device.type == "cpu":
-        from qwen4_exp_hcu.kernels.state_scatter import scatter_rows_reference as scatter
-    else:
-        from qwen4_exp_hcu.kernels.state_scatter import scatter_rows as scatter
-    scatter(state, slot_ids, rows)
+    dispatch(scatter_rows, scatter_rows_reference, state, slot_ids, rows)
 
 
 def state_shapes(text_config, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -73,7 +72,7 @@ def _store_window(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, c
 
 
 # the scales a table shard comes with, by its weight's dtype (BF16/F32 and FP8 shards have none)
-_SHARD_PARTS = {torch.int8: {"weight_scale"}, torch.uint8: {"weight_scale"}}
+_SHARD_PARTS = {getattr(torch, f.weight): {SCALE_SUFFIX} for f in FORMATS.values() if f.row_scale}
 _OLD_LAYOUT = (
     "qwen4_exp_hcu <= 2026-11 wrote a copy of the table scale per shard; upstream vLLM and the releases keep one "
     "per table (`...ngram_embedding.weight_scale` for FP8, `weight_scale_2` for NVFP4). Re-quantize from the BF16 "
@@ -234,7 +233,7 @@ class PLELayer(nn.Module):
             self.table.set_table_scale(tensor, f"{prefix}{name}")
         elif m := SHARD.search(name):
             kind = m.group(2)
-            if kind == "weight_scale_2" or (kind == "weight_scale" and self.table.fmt == "fp8"):
+            if kind == "weight_scale_2" or kind == self.table.format.table_scale:
                 raise ValueError(f"{prefix}{name}: a per-shard table scale. {_OLD_LAYOUT}.")
             self._load_shard(int(m.group(1)), kind, tensor, f"{prefix}{name}")
         elif name.removeprefix("ple_embedding.") in HASH_BUFFERS:
