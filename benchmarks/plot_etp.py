@@ -1,8 +1,7 @@
-"""Plot the per-step ETP bytes and lookup times recorded by the multi-GPU NCCL tests.
+"""Plot the per-step ETP bytes and lookup times measured by ``benchmarks/bench_etp.py``.
 
-``pytest -m multi_gpu --results-dir benchmarks/results tests/test_multi_gpu.py tests/test_multi_gpu_4.py`` writes ``benchmarks/results/etp_{2,4}gpu.json``
-when they run on GPUs; this draws them side by side (median over ranks) into ``etp.png``:
-``python benchmarks/plot_etp.py``.
+``python -m benchmarks.bench_etp --gpus N`` writes ``benchmarks/results/bench_etp_{N}gpu.json``; this draws
+the 2- and 4-GPU runs side by side (median over ranks) into ``etp.png``: ``python benchmarks/plot_etp.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ def load_cases(paths: list[Path]) -> dict[str, list[dict]]:
         report = json.loads(path.read_text())
         ranks = report["per_rank"]
         for name in ranks[0]["cases"]:
-            per_rank_steps = [r["cases"][name]["bench"]["steps"] for r in ranks]
+            per_rank_steps = [r["cases"][name]["steps"] for r in ranks]
             steps = []
             for i, step in enumerate(per_rank_steps[0]):
                 merged = {k: v for k, v in step.items() if k not in TIMES}
@@ -69,11 +68,11 @@ def plot(cases: dict[str, list[dict]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", nargs="*", type=Path,
-                    default=[p for p in (RESULTS / "etp_2gpu.json", RESULTS / "etp_4gpu.json") if p.exists()])
+                    default=[p for p in (RESULTS / "bench_etp_2gpu.json", RESULTS / "bench_etp_4gpu.json") if p.exists()])
     ap.add_argument("--out", type=Path, default=RESULTS / "etp.png")
     args = ap.parse_args()
     if not args.inputs:
-        raise SystemExit("no etp_*gpu.json: run `pytest -m multi_gpu --results-dir benchmarks/results` on GPUs first")
+        raise SystemExit("no bench_etp_*gpu.json: run `python -m benchmarks.bench_etp --gpus N` on GPUs first")
     cases = load_cases(args.inputs)
     plot(cases, args.out)
     for case, steps in cases.items():

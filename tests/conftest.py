@@ -53,8 +53,9 @@ def no_files_left_in_dev_shm():
     before = _shm_files()
     yield
     left = _shm_files() - before - _mapped_shm_files()
-    if left:
-        time.sleep(2)
+    deadline = time.monotonic() + 20  # an engine vLLM force-killed at exit is still being reaped
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
         left &= _shm_files() - _mapped_shm_files()
     if left:
         pytest.fail(f"the tests left {sorted(left)} in {SHM}", pytrace=False)
@@ -69,7 +70,7 @@ def results_dir(request) -> Path | None:
 
 @pytest.fixture(scope="module")
 def vllm_process():
-    """One single-rank vLLM distributed environment for the module (see `vllm_inproc`); torn down so later
+    """One single-rank vLLM distributed environment for the module (see `helpers.vllm_inproc`); torn down so later
     engines start clean."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import cleanup_dist_env_and_memory, ensure_model_parallel_initialized

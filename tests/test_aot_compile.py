@@ -31,12 +31,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import native_specialize_impl
 
+from helpers.releases import census, text_config
 from qwen4_exp_hcu.kernels import gather_dequant, ngram_hash, state_scatter
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.table import FORMATS, PLETable
 from qwen4_exp_hcu.tiny import load_config
-from release_layout import census, text_config
 
 TARGETS = {
     "gfx906": GPUTarget("hip", "gfx906", 64),

@@ -76,7 +76,7 @@ def test_broken_checkpoints_fail_at_load_naming_the_tensor(checkpoints, tmp_path
 def test_upstream_layout_checkpoint_loads_as_declared(checkpoints, tmp_path, fmt):
     """`load_ple_layer` reads the format the checkpoint declares (`ple_embedding_dtype` here; every way:
     tests/test_declaration.py) and keeps it: lookups equal a BF16 layer holding the decoded rows."""
-    from main_quant import upstream_table_checkpoints
+    from helpers.checkpoints import upstream_table_checkpoints
 
     served = upstream_table_checkpoints(checkpoints / "bf16", tmp_path / fmt, tmp_path / "oracle", fmt)
     ours, ref = load_ple_layer(served, 3), load_ple_layer(tmp_path / "oracle", 3)

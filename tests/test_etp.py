@@ -27,8 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CountingGroup, Topology, compare_steps, init_process_group, random_ple_state_dict, spawn_workers, write_result
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.dist import CountingGroup, Topology, compare_steps, init_process_group, spawn_workers, write_result
+from helpers.layers import ple_state_dict
+from helpers.steps import schedule_step
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup, owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
@@ -76,26 +78,13 @@ def _build(cfg, sds, group, across, replica=None):
     ]
 
 
-def _step_inputs(cfg, dp, step) -> tuple[PLEBatch, list[torch.Tensor]]:
-    """Step `step` of replica `dp`: its batch (max_tokens not set) and each layer's hidden states."""
-    reqs = SCHEDULES[dp][step]
-    g = torch.Generator().manual_seed(100 * dp + step)
-    T = sum(n for _, n, _ in reqs)
-    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
-    if (dp, step) == (0, 0):
-        ids[3] = EOS  # an n-gram boundary inside a prompt
-    C = cfg.hidden_size * cfg.hc_count
-    hs = [torch.randn(T, C, generator=g) for _ in LAYERS]
-    return PLEBatch.from_lengths(ids, [n for _, n, _ in reqs], [s for s, _, _ in reqs], [h for _, _, h in reqs]), hs
-
-
 def _run_steps(cfg, layers, dp, prefetch, mt_mode):
     """All steps of replica `dp` from empty state: [(outputs per layer, `PLEState` per layer)]."""
     states = [PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32) for layer in layers]
     ws = PrefetchWorkspace(layers, CAP, "cpu") if prefetch else None
     record = []
     for step in range(NSTEPS):
-        batch, hs = _step_inputs(cfg, dp, step)
+        batch, hs = schedule_step(cfg, SCHEDULES, dp, step, len(LAYERS))
         batch = replace(batch, max_tokens={None: None, "exact": MAX_T[step], "padded": CAP}[mt_mode])
         if prefetch:  # all lookups issued first, as before the preceding decoder layers
             for handle, state in zip(ws.handles, states):
@@ -214,7 +203,7 @@ def _etp_worker(rank, world, tmp, weights_path):
             for l in layers:
                 if (l.table.start, l.table.end) != owned_rows(l.spec.rows, group.rank_in_group, group.world_size):
                     failures.append(f"{name}: rank {rank} owns [{l.table.start}, {l.table.end})")
-            batch, _ = _step_inputs(cfg, dp, FIRST_PREFILL[dp])
+            batch, _ = schedule_step(cfg, SCHEDULES, dp, FIRST_PREFILL[dp], len(LAYERS))
             rows = ngram_ids(layers[0].spec, batch.input_ids, batch.query_start_loc, torch.full((batch.num_requests, 2), EOS))
             owned = (rows >= layers[0].table.start) & (rows < layers[0].table.end)
             case["owned_fraction"] = owned.float().mean().item()
@@ -255,7 +244,7 @@ def weights(tmp_path_factory):
         spec = NgramHashSpec.from_config(cfg, i)
         assert (spec.num_heads, spec.head_dim) == (HEADS, HEAD_DIM)  # what the hand byte counts assume
     path = tmp_path_factory.mktemp("etp_weights") / "weights.pt"
-    torch.save([random_ple_state_dict(cfg, i, q, seed=10 + i) for i, q in LAYERS], path)
+    torch.save([ple_state_dict(cfg, i, q, seed=10 + i) for i, q in LAYERS], path)
     return path
 
 

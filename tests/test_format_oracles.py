@@ -7,7 +7,7 @@
   e4m3 rows by the bf16-rounded table scale), run on every finite e4m3 byte.
 
 Each format is checked through our torch reference and through the fused Triton kernel, which the Triton
-interpreter runs on the CPU (`table.lookup` takes the torch path for CPU ids; `oracle_utils.triton_lookups`
+interpreter runs on the CPU (`table.lookup` takes the torch path for CPU ids; `helpers.oracles.triton_lookups`
 reroutes that one call to the kernel with the very arguments `lookup` chose). Comparisons are bit-exact
 (integer views, so the sign of zero counts), and each test shows its check would catch a plausible mistake.
 """
@@ -18,9 +18,9 @@ import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 
-from dist_utils import random_ple_state_dict
-from oracle_utils import bits, finite_e4m3, lookups
-from ple_configs import tiny_text_config
+from helpers.configs import tiny_text_config
+from helpers.layers import ple_state_dict
+from helpers.oracles import bits, finite_e4m3, lookups
 from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, unpack_e2m1
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.layer import PLELayer
@@ -111,7 +111,7 @@ def test_nvfp4_layer_with_table_level_scale_2_equals_compressed_tensors_decode(s
     packed, block, _ = nvfp4_table(spec.rows, spec.head_dim, seed=2)
     n = -(-spec.rows // cfg.split_ngram_parts)
     assert spec.rows % cfg.split_ngram_parts and spec.rows - 4 * n < n
-    sd = {k: v for k, v in random_ple_state_dict(cfg, 1, False, seed=0).items() if TABLE not in k}
+    sd = {k: v for k, v in ple_state_dict(cfg, 1, False, seed=0).items() if TABLE not in k}
     for j in range(cfg.split_ngram_parts):
         rows = slice(j * n, (j + 1) * n)
         sd[f"{TABLE}.shard_{j}.weight"], sd[f"{TABLE}.shard_{j}.weight_scale"] = packed[rows], block[rows]
@@ -162,7 +162,7 @@ def fp8_layer(scale: torch.Tensor, seed=0):
     table = finite_e4m3((spec.rows, spec.head_dim), seed)
     n = -(-spec.rows // cfg.split_ngram_parts)
     assert spec.rows % cfg.split_ngram_parts
-    sd = {k: v for k, v in random_ple_state_dict(cfg, 1, False, seed=seed).items() if TABLE not in k}
+    sd = {k: v for k, v in ple_state_dict(cfg, 1, False, seed=seed).items() if TABLE not in k}
     sd.update({f"{TABLE}.shard_{j}.weight": table[j * n : (j + 1) * n] for j in range(cfg.split_ngram_parts)})
     sd[f"{TABLE}.weight_scale"] = scale
     return PLELayer.from_state_dict(cfg, 1, sd, table_format="fp8"), table, spec

@@ -36,9 +36,9 @@ def test_format_from_dtypes():
 # ---- tables in upstream's FP8 / NVFP4 layout ---------------------------------------------------------
 import pytest  # noqa: E402
 
-from dist_utils import random_ple_state_dict  # noqa: E402
-from oracle_utils import fp8_rows, nvfp4_rows  # noqa: E402
-from ple_configs import tiny_text_config  # noqa: E402
+from helpers.configs import tiny_text_config  # noqa: E402
+from helpers.layers import ple_state_dict  # noqa: E402
+from helpers.oracles import fp8_rows, nvfp4_rows  # noqa: E402
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState  # noqa: E402
 from qwen4_exp_hcu.ple.layer import PLELayer  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_upstream_tables_load_and_equal_their_dequantized_rows(fmt):
     """A layer holding the table as `fmt` looks up and computes exactly what a BF16 layer holding the
     dequantized rows does; the storage keeps the checkpoint's bytes (no conversion on load)."""
     cfg = tiny_text_config(**NVFP4_CFG)
-    quantized, bf16 = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt)
+    quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt)
     ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, dtype=torch.float32)
     ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
     assert ours.table.weight.dtype == {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}[fmt]
@@ -96,7 +96,7 @@ def test_gpu_upstream_tables_look_up_exactly(fmt, host):
     """The fused kernel on the accelerator, table on it or in pinned host memory: equal to the CPU layer
     holding the dequantized rows."""
     cfg = tiny_text_config(**NVFP4_CFG)
-    quantized, bf16 = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt)
+    quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt)
     ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, device="cuda", host_table=host, dtype=torch.float32)
     ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
     assert ours.table.weight.is_pinned() == host
@@ -115,7 +115,7 @@ def test_table_scale_any_float_dtype_and_shape(fmt, scale):
     """Upstream copies the one table scale into an fp32 parameter: bf16, fp16, fp32, shape [1] or [] all load
     to the same table."""
     cfg = tiny_text_config(**NVFP4_CFG)
-    quantized, bf16 = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt, table_scale=scale)
+    quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt, table_scale=scale)
     ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, dtype=torch.float32)
     assert ours.table.tensor_scale.tolist() == [0.25]
     ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
@@ -127,7 +127,7 @@ def test_table_scale_any_float_dtype_and_shape(fmt, scale):
 
 def test_upstream_table_errors_name_the_tensor():
     cfg = tiny_text_config(**NVFP4_CFG)
-    quantized, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), "nvfp4")
+    quantized, _ = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), "nvfp4")
     prefix = "model.layers.2.ple."
     scale_2 = TABLE_SCALE["nvfp4"]
     missing = {prefix + k: v for k, v in quantized.items() if k != scale_2}
@@ -145,7 +145,7 @@ def test_upstream_table_errors_name_the_tensor():
         PLELayer.from_state_dict(cfg, 1, quantized, table_format="int8")
     with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.uint8 shard in a table the checkpoint's config declares int8"):
         PLELayer.from_state_dict(cfg, 1, {k: v for k, v in quantized.items() if k != scale_2}, table_format="int8")
-    fp8, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), "fp8")
+    fp8, _ = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), "fp8")
     with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.float8_e4m3fn shard in a table the checkpoint's config declares bf16"):
         PLELayer.from_state_dict(cfg, 1, fp8, table_format="bf16")
 
@@ -155,7 +155,7 @@ def test_old_per_shard_scales_fail_with_how_to_convert(fmt):
     """Our earlier writer put a copy of the table scale in every shard; such a checkpoint must not load
     (silently or otherwise): the error names the tensor and the command that converts it."""
     cfg = tiny_text_config(**NVFP4_CFG)
-    quantized, _ = upstream_layout(random_ple_state_dict(cfg, 1, False, seed=3), fmt)
+    quantized, _ = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt)
     old = {k: v for k, v in quantized.items() if k != TABLE_SCALE[fmt]}
     old[SHARD.format(0) + ("_scale" if fmt == "fp8" else "_scale_2")] = torch.tensor([0.25])
     with pytest.raises(ValueError, match=r"shard_0\.weight_scale(_2)?: a per-shard table scale.*python -m qwen4_exp_hcu\.quantize"):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.steps import pack, random_prompts
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids_reference
-from steps import pack, random_prompts
 
 
 def hf_ids(cfg, ple_index, prompts):

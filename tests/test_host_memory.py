@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import init_process_group, random_ple_state_dict, spawn_workers, write_result
-from ple_configs import tiny_text_config
+from helpers.configs import tiny_text_config
+from helpers.dist import init_process_group, spawn_workers, write_result
+from helpers.layers import ple_state_dict
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
@@ -50,7 +51,7 @@ def _worker(rank, world, tmp, run, on_gpu):
     if on_gpu:
         torch.cuda.set_device(dev)
     cfg = tiny_text_config()
-    sd = random_ple_state_dict(cfg, 1, True, seed=4)
+    sd = ple_state_dict(cfg, 1, True, seed=4)
     kw = dict(table_format="int8", host_table=True, dtype=torch.float32, device=dev)
     shared = PLELayer.from_state_dict(cfg, 1, sd, shared_host=SharedHost(TorchGroup(), run), **kw)
     private = PLELayer.from_state_dict(cfg, 1, sd, **kw)

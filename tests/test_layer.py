@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from layer_utils import make_pair
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.layers import make_pair
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
 ATOL = 2e-5

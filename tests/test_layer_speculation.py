@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layer_utils import make_pair
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.layers import make_pair
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
 CFG = tiny_text_config(ngram_size=3)

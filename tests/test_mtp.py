@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_checkpoint
-from vllm_inproc import build_model, engine_config
+from helpers.vllm_inproc import build_model, engine_config
 
 pytestmark = pytest.mark.vllm
 

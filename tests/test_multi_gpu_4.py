@@ -1,19 +1,20 @@
 """Four GPUs, NCCL: TP=2 x DP=2 ETP with prefetch inside captured CUDA graphs, exact vs one process.
 
-The 2-GPU test's worker and checks (``dist_utils.nccl_worker``) over a world of 4 (rank = dp * 2 + tp,
+The 2-GPU test's worker and checks (``helpers.nccl_etp.nccl_worker``) over a world of 4 (rank = dp * 2 + tp,
 ``cuda:{rank}``):
 * ``tp2xdp2``: ``embedding_across_dp`` off; two ETP groups, the TP pairs {0, 1} and {2, 3} (``dist.new_group``);
   each table is split in halves within a pair, each DP replica runs its own tokens;
 * ``tp2xdp2_across``: on; one ETP group of all 4 ranks (quarters of each table), the two ranks of a DP
   replica hold the same tokens, the replicas different ones (all-gather of ids + reduce-scatter of rows).
-Each DP replica runs ``dist_utils.NCCL_SCHEDULES[dp]``: uneven token counts per step (13/2, 2/7, 2/2, 0/4),
-replica 0 with none in the last step. Per topology (``dist_utils.Topology``): eager steps with
+Each DP replica runs ``helpers.nccl_etp.NCCL_SCHEDULES[dp]``: uneven token counts per step (13/2, 2/7, 2/2, 0/4),
+replica 0 with none in the last step. Per topology (``helpers.dist.Topology``): eager steps with
 prefetch off/on and max_tokens not passed/exact, every output and state bit for bit vs the single-GPU
 reference; then ``Prefetch.start`` + ``wait`` + ``forward`` of both PLE layers captured in one
 CUDA graph, replayed over all steps with new inputs, bit for bit vs the reference graph (and the eager
 reference lookup; forward within 1e-5 of eager). Per-step ETP bytes (``ETPLookup.bytes_per_token`` x
-tokens) and replay / lookup times go to ``etp_4gpu.json`` in the directory given by pytest's
-``--results-dir`` (e.g. ``--results-dir benchmarks/results``); nothing is written without it.
+tokens) and replay times go to ``etp_4gpu.json`` in the directory given by pytest's ``--results-dir``
+(e.g. ``--results-dir benchmarks/results``); nothing is written without it. Lookup times with the real head
+geometry: ``python -m benchmarks.bench_etp --gpus 4``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, Topology, run_nccl_workers, write_etp_results
+from helpers.dist import Topology
+from helpers.nccl_etp import NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, run_nccl_workers, write_etp_results
 from qwen4_exp_hcu.ple.etp import TorchGroup, combine_bytes, owned_rows
 
 pytestmark = [
@@ -69,7 +71,7 @@ def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path, results_dir):
             case = r["cases"][name]
             assert case["dp"] == r["rank"] // TP, (name, r["rank"], case["dp"])
             assert case["bytes_per_token"] == [tiny] * len(NCCL_LAYERS), (name, case["bytes_per_token"])
-            assert all(s["bytes_per_token"] == real for s in case["bench"]["steps"]), name
+            assert case["bytes_per_token_real_geometry"] == real, name
     # row ranges: halves within each TP pair without across-dp, quarters over the 4 ranks with it
     for i in range(len(NCCL_LAYERS)):
         pair = [r["cases"]["tp2xdp2"]["rows"][i] for r in results]
@@ -87,5 +89,5 @@ def test_nccl_tp2xdp2_etp_prefetch_in_cuda_graph(tmp_path, results_dir):
         "CUDA graph replayed with new inputs; outputs/states exact vs the single-GPU reference",
         bytes_note="bytes = per-rank ring volume of the ETP combine (ETPLookup.bytes_per_token x tokens); "
         "schedule_steps: eager steps with max_tokens passed (without it across-dp adds an 8 B x 3 count exchange); "
-        "graph_step: one replay of the static CAP-token graph; bench: real head geometry, lookup only",
+        "graph_step: one replay of the static CAP-token graph; bytes_per_token_real_geometry: 16 heads x 128",
     )

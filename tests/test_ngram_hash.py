@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.steps import pack, random_prompts
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids_reference
-from steps import pack, random_prompts
 
 
 @settings(max_examples=25, deadline=None)

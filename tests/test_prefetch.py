@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layer_utils import make_pair
-from ple_configs import tiny_text_config
+from helpers.configs import tiny_text_config
+from helpers.layers import make_pair
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 

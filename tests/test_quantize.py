@@ -286,7 +286,7 @@ def test_refuses_a_checkpoint_whose_tables_are_already_declared(tmp_path, capsys
 def test_upstream_fp8_and_nvfp4_tables_become_int8(tmp_path, fmt):
     """Upstream-layout FP8/NVFP4 tables are dequantized and re-quantized to INT8 rows: the same as
     quantizing their dequantized BF16 rows; their scales and `ple_embedding_dtype` are gone."""
-    from main_quant import upstream_table_checkpoints
+    from helpers.checkpoints import upstream_table_checkpoints
 
     from qwen4_exp_hcu.tiny import make_tiny_checkpoint
 

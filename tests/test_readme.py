@@ -52,14 +52,14 @@ def test_readme_cpu_blocks_run_as_written(tmp_path):
 def test_readme_blocks_run_on_gpu(tmp_path):
     """The same blocks on a GPU machine with vLLM 0.33 (a `pip install -e '.[gpu]'`, or `source
     .gpu-vllm/setup.sh` of `../shared/gpu-vllm`): that environment, with `python` on the PATH, stands for the
-    `.venv` line, and the engines get the settings every vLLM 0.33 GPU install runs (`scenarios.GPU_ENGINE`:
+    `.venv` line, and the engines get the settings every vLLM 0.33 GPU install runs (`helpers.scenarios.GPU_ENGINE`:
     the shared tool's Python-only vLLM has no compiled FlashAttention, FlashInfer or custom ops)."""
     import json
     import shlex
 
     import torch
 
-    from scenarios import GPU_ENGINE
+    from helpers.scenarios import GPU_ENGINE
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

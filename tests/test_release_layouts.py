@@ -1,6 +1,6 @@
 """Conformance with the official releases' checkpoint layouts (BF16, Qwen's FP8, NVIDIA's NVFP4), from the census.
 
-The checkpoints come from `release_layout`, which builds them from the census (an independent record of the
+The checkpoints come from `helpers.releases`, which builds them from the census (an independent record of the
 releases' config.json and shard headers), never from our own writer: names, dtypes, which layers carry
 what and the quantization configs are the releases'; only dimensions are shrunk.
 
@@ -9,7 +9,7 @@ tensors are, its PLE hash buffers are right.
 
 `vllm`: each release served by our plugin's `Qwen4ExpForConditionalGeneration` (vision tower built, in-process
 engine so its `load_weights` can be watched) against transformers on the dequantized weights
-(`release_layout.write_oracle`): greedy tokens and top-5 logprobs within the parity suite's tolerances.
+(`helpers.releases.write_oracle`): greedy tokens and top-5 logprobs within the parity suite's tolerances.
 Every checkpoint tensor handed to `load_weights` must be read by some operation, except exactly those the
 library's skip list (`qwen4_exp_hcu.names.SKIPPED`, plus `SKIPPED_WITHOUT_QSA` under dense attention) names.
 Reads are watched, not `load_weights`' returned names: PLE shards and hash buffers are not parameters and
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from release_layout import LM, RELEASES, census, check_layout, expected_shapes, expected_tensors, read_tensors
-from release_layout import text_config, write_cpu_substitute, write_oracle, write_release
+from helpers.releases import LM, RELEASES, census, check_layout, expected_shapes, expected_tensors, read_tensors
+from helpers.releases import text_config, write_cpu_substitute, write_oracle, write_release
 
 EOS = 236  # the release's eos (248044), as far from the top of the shrunk 512-token vocab
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]  # the last is chunked
@@ -245,7 +245,7 @@ def _start(path):
 
     kwargs = {"distributed_executor_backend": "uni"}  # the worker in this process, too
     if torch.cuda.is_available():  # engine settings every vLLM 0.33 GPU install runs, vision tower without FlashAttention
-        from scenarios import GPU_ENGINE
+        from helpers.scenarios import GPU_ENGINE
 
         kwargs.update(GPU_ENGINE, mm_encoder_attn_backend="TORCH_SDPA")
     return start_engine(path, **kwargs)
@@ -287,7 +287,7 @@ def _stop(llm) -> None:
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_served_matches_transformers(release, releases, watch_loading, monkeypatch, tmp_path):
     from qwen4_exp_hcu.tiny import reference_greedy
-    from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, logprob_errors
+    from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, logprob_errors
     from test_vllm_parity import generate
 
     path = releases[release]

@@ -27,8 +27,8 @@ import contextlib
 import pytest
 import torch
 
-from layer_utils import make_pair
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.layers import make_pair
 from qwen4_exp_hcu.ple import layer as layer_module
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.hot_rows import HotRows

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.table import PLETable

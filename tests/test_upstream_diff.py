@@ -22,12 +22,12 @@ import pytest
 import torch
 from transformers import Qwen4ExpTextConfig
 
-from oracle_utils import bits, finite_e4m3, lookups
-from ple_configs import EOS, tiny_text_config
+from helpers.configs import EOS, tiny_text_config
+from helpers.oracles import bits, finite_e4m3, lookups
+from helpers.steps import pack
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
-from steps import pack
 
 CENSUS = Path(__file__).resolve().parent / "data" / "census.json"  # a copy of ../shared/official-checkpoint/census.json
 TABLE = "ngram_embedding"  # the table module, relative to `ple_embedding.`

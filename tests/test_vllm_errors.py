@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint, make_tiny_int8_checkpoint
-from vllm_inproc import build_model, engine_config, load
-from scenarios import EOS
+from helpers.scenarios import EOS
+from helpers.vllm_inproc import build_model, engine_config, load
 
 pytestmark = pytest.mark.vllm
 

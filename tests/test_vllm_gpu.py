@@ -4,7 +4,7 @@ The tiny INT8 checkpoint with its PLE tables in pinned host memory (vLLM's `Engr
 in breakable CUDA graphs (vLLM's default for Qwen4Exp), FULL_AND_PIECEWISE and PIECEWISE (torch.compile,
 breakable graphs off), FULL_DECODE_ONLY, eager, and breakable graphs with the opt-in hot-row cache
 refreshed from the served traffic. Each engine runs the CPU suite's scenarios
-(`scenarios.py`: chunked prefill, EOS inside prompts, one request at a time, a concurrent batch of
+(`helpers/scenarios.py`: chunked prefill, EOS inside prompts, one request at a time, a concurrent batch of
 different lengths, 32 decode steps, a prefix-cache hit) in its own process (`vllm_gpu_worker.py`); several
 share the GPU at once. One more engine runs with the PLE state carry broken on purpose and must fail the
 same comparison, which shows the tolerance is sensitive to PLE state faults.
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS, logprob_errors
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy
-from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS, logprob_errors
 from vllm_gpu_worker import MODES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

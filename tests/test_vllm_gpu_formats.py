@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from main_quant import upstream_table_checkpoints
+from helpers.checkpoints import upstream_table_checkpoints
+from helpers.scenarios import MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint, reference_greedy
-from scenarios import MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS
 from test_vllm_gpu import TIMEOUT_S, WORKER, compare, within_tolerance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

@@ -24,8 +24,8 @@ from qwen4_exp_hcu.tiny import (
     reference_greedy_image,
     reference_greedy_video,
 )
-from scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
-from vllm_inproc import load
+from helpers.scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
+from helpers.vllm_inproc import load
 
 pytestmark = pytest.mark.vllm
 needs_vision = pytest.mark.skipif(not vision_available(), reason="vLLM's Qwen3-VL processing needs torchvision")

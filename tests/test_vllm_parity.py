@@ -18,7 +18,7 @@ import torch
 
 from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, make_tiny_int8_checkpoint, reference_greedy
-from scenarios import (
+from helpers.scenarios import (
     EOS,
     LOGPROB_MAX_TOL,
     LOGPROB_MEAN_TOL,

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from main_quant import quantize_main
+from helpers.checkpoints import quantize_main
+from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, reference_greedy
-from scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from test_vllm_parity import generate, start_engine, stop_engine
 
 pytestmark = pytest.mark.vllm
@@ -116,7 +116,7 @@ def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tmp_path_factory
     """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`, one table-level scale) are
     served as they are (kept packed, dequantized inside the lookup) and match transformers on their
     dequantized rows (decoded by torch's float8 dtype and compressed-tensors' FP4 helpers)."""
-    from main_quant import upstream_table_checkpoints
+    from helpers.checkpoints import upstream_table_checkpoints
 
     root = tmp_path_factory.mktemp(fmt)
     served = upstream_table_checkpoints(make_tiny_checkpoint(root / "bf16"), root / fmt, root / "oracle", fmt, scale_dtype)

