@@ -59,9 +59,9 @@ def capture(body, warmup=2):
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        body()
+        outs = body()
     torch.cuda.synchronize()
-    return g
+    return g, outs
 
 
 def time_ms(fn, iters):
@@ -101,7 +101,7 @@ def bench_case(cfg, dev, group, across, dp, replica, tokens, iters) -> dict:
             handle.start(bounded, state)
             return handle.wait()
 
-        graph = capture(prefetch)
+        graph, _ = capture(prefetch)
         dist.barrier()
         steps.append({
             "tokens_per_rank": T,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_etp import capture, time_ms
 from helpers.configs import tiny_text_config
 from helpers.dist import Topology, compare_steps, init_process_group, max_abs_diff, spawn_workers, write_result
 from helpers.layers import ple_state_dict
@@ -115,36 +115,6 @@ class StaticBatch:
         return T
 
 
-def _capture(body, warmup=2):
-    """Eager warm-up on a side stream (Triton JIT, NCCL communicator and channels, allocator), then capture
-    `body`. capture_error_mode thread_local: the NCCL watchdog thread's event queries must not invalidate it."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        outs = body()
-    torch.cuda.synchronize()
-    return g, outs
-
-
-def _time_ms(fn, iters):
-    """Median of per-call CUDA-event times on the current stream."""
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 @dataclass
 class NcclWorker:
     """What every topology case of one NCCL worker shares: config, weights, its device, the single-GPU
@@ -190,7 +160,7 @@ def _topology_case(w: NcclWorker, topo: Topology) -> dict:
         return [layer(static.hs[i], graph_batch, states[i], embeddings=ws.handles[i].wait()) for i, layer in enumerate(layers)]
 
     static.fill(schedule_step(cfg, NCCL_SCHEDULES, topo.dp, 0, len(NCCL_LAYERS), dev))
-    graph, outs = _capture(body)
+    graph, outs = capture(body)
     _zero(states)
     _zero(w.ref_states)
     eager_states = _new_states(refs, dev)
@@ -227,8 +197,8 @@ def _topology_case(w: NcclWorker, topo: Topology) -> dict:
     info["graph_step"] = {
         "tokens_per_rank": NCCL_CAP,
         "etp_bytes_per_rank": sum(b * NCCL_CAP for b in info["bytes_per_token"]),
-        "replay_ms_etp_prefetch": _time_ms(graph.replay, 50),
-        "replay_ms_single_gpu_reference": _time_ms(w.ref_graph.replay, 50),
+        "replay_ms_etp_prefetch": time_ms(graph.replay, 50),
+        "replay_ms_single_gpu_reference": time_ms(w.ref_graph.replay, 50),
     }
     return info
 
@@ -247,7 +217,7 @@ def nccl_worker(rank, world, tmp, weights_path, topologies):
         static = StaticBatch(cfg.hidden_size * cfg.hc_count, dev)
         ref_states = _new_states(refs, dev)
         static.fill(schedule_step(cfg, NCCL_SCHEDULES, 0, 0, len(NCCL_LAYERS), dev))
-        ref_graph, ref_outs = _capture(lambda: [r(static.hs[i], static.batch, ref_states[i]) for i, r in enumerate(refs)])
+        ref_graph, ref_outs = capture(lambda: [r(static.hs[i], static.batch, ref_states[i]) for i, r in enumerate(refs)])
         worker = NcclWorker(cfg, sds, rank, dev, refs, static, ref_graph, ref_states, ref_outs, result["failures"])
         for topo in topologies(rank):
             t0 = time.perf_counter()
