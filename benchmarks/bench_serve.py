@@ -19,6 +19,13 @@ batch, where a decode step's time goes: wall time per step against the GPU's bus
 kernel time from torch.profiler) and the kernels that take most of it.
 
     python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
+        [--geometry release --table-gb 13] [--full-decode-only]
+
+`--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
+linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
+TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--full-decode-only`: vLLM's
+breakable graphs off and `cudagraph_mode=FULL_DECODE_ONLY`, where a decode step is one graph and wall time
+tracks GPU time (decode speed ratios belong there; breakable graphs' wall clock swings on this engine).
 """
 
 from __future__ import annotations
@@ -57,6 +64,20 @@ MODEL = dict(
     ple_layer_ids=[2], ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=1_000_000, split_ngram_parts=64,
     indexer_head_dim=128, indexer_budget=32768, max_position_embeddings=32768,
 )  # fmt: skip
+def release_model(table_gb: float) -> dict:
+    """The release's per-layer shapes (tests/data/census.json's text config), 4 layers and 16 experts, with an
+    INT8 PLE table of `table_gb` GB: rows = table bytes / (160 + 2) over 16 heads."""
+    heads, dim = 16, 160
+    rows_per_head = int(table_gb * 1e9) // (dim + 2) // heads  # INT8 row + its bf16 scale
+    return {**MODEL, **dict(
+        hidden_size=2560, hc_lowrank=320, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+        moe_intermediate_size=640, shared_expert_intermediate_size=640, num_experts=16, num_experts_per_tok=10,
+        heads_per_ngram=heads // 2, ple_embed_dim=heads * dim, ngram_vocab_size_base=rows_per_head,
+        split_ngram_parts=128,
+    )}  # fmt: skip
+
+
 DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
 PREFILL_LENGTHS = (4096, 16384)
 MAX_MODEL_LEN = 20480
@@ -117,15 +138,20 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
     }
 
 
-def worker(variant: str, checkpoint: str, out: str, profile: bool) -> None:
+def worker(variant: str, checkpoint: str, out: str, profile: bool, full_decode_only: bool, vocab_size: int) -> None:
     env, engine, _ = VARIANTS[variant]
     os.environ.update(env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    compilation_config = dict(ENGINE["compilation_config"])
+    if full_decode_only:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+        compilation_config["cudagraph_mode"] = "FULL_DECODE_ONLY"
     import torch
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
     additional_config = {**ENGINE["additional_config"], **engine.get("additional_config", {})}
-    llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config}, disable_log_stats=False)
+    llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config,
+                                   "compilation_config": compilation_config}, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0
     gen = torch.Generator().manual_seed(0)
 
@@ -140,7 +166,7 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool) -> None:
             times.append(time.perf_counter() - t)
         return sorted(times)[len(times) // 2]
 
-    rand = lambda n: torch.randint(3, MODEL["vocab_size"], (n,), generator=gen).tolist()  # noqa: E731
+    rand = lambda n: torch.randint(3, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     decode, profiles = {}, {}
     for b in DECODE_BATCHES:
         prompts = [rand(DECODE_PROMPT) for _ in range(b)]
@@ -175,7 +201,7 @@ def spec_decode_counters(llm) -> dict:
     return {"spec_decode": {**c, "acceptance_rate": c["num_accepted_tokens"] / c["num_draft_tokens"]}}
 
 
-def write_checkpoints(workdir: Path) -> dict[str, Path]:
+def write_checkpoints(workdir: Path, model: dict) -> dict[str, Path]:
     """Checkpoint by kind: int8 (the quantizer leaves its BF16 source beside it), int8 with an MTP head, bf16."""
     import shutil
 
@@ -183,7 +209,7 @@ def write_checkpoints(workdir: Path) -> dict[str, Path]:
 
     int8, mtp = workdir / "bench-int8", workdir / "bench-int8-mtp"
     if not (int8 / "config.json").exists():
-        make_tiny_int8_checkpoint(int8, **MODEL)
+        make_tiny_int8_checkpoint(int8, **model)
     if not (mtp / "config.json").exists():
         add_mtp_head(shutil.copytree(int8, mtp, dirs_exist_ok=True), follow_target=True)
     return {"int8": int8, "int8_mtp": mtp, "bf16": int8.with_name(f"{int8.name}-bf16")}
@@ -227,7 +253,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_results(results: dict, out: Path) -> None:
+def write_results(results: dict, out: Path, model: dict, full_decode_only: bool) -> None:
     """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / "bench_serve.json").exists():
@@ -240,8 +266,8 @@ def write_results(results: dict, out: Path) -> None:
                     b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
                     for b in DECODE_BATCHES
                 }
-    doc = {"machine": versions(), "model": MODEL, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
-           "results": results, "decode_ratios": ratios}  # fmt: skip
+    doc = {"machine": versions(), "model": model, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
+           "full_decode_only": full_decode_only, "results": results, "decode_ratios": ratios}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
         plot(results, out / "bench_serve.png")
@@ -257,26 +283,31 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     parser.add_argument("--plot-only", action="store_true", help="draw the PNG from an existing JSON")
     parser.add_argument("--profile", action="store_true", help="also profile one decode run per batch")
+    parser.add_argument("--geometry", choices=["synthetic", "release"], default="synthetic")
+    parser.add_argument("--table-gb", type=float, default=13.0, help="with --geometry release: INT8 table GB")
+    parser.add_argument("--full-decode-only", action="store_true", help="FULL_DECODE_ONLY graphs, breakable off")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     if args.worker:
-        return worker(args.worker, args.checkpoint, args.result, args.profile)
+        return worker(args.worker, args.checkpoint, args.result, args.profile, args.full_decode_only, model["vocab_size"])
     if args.plot_only:
         return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
 
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir) / (f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic")
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    checkpoints = write_checkpoints(workdir)
+    checkpoints = write_checkpoints(workdir, model)
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
     results = {}
     for name in args.variants:
         checkpoint = checkpoints[VARIANTS[name][2]]
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
-        cmd += ["--profile"] if args.profile else []
+        cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
+        cmd += (["--profile"] if args.profile else []) + (["--full-decode-only"] if args.full_decode_only else [])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr
@@ -289,7 +320,7 @@ def main() -> None:
             lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
             results[name] = {"error": (lines[-1] if lines else str(log)[-500:]).strip()}
         print(name, json.dumps(results[name]), flush=True)
-        write_results(results, Path(args.out))  # after every variant: a cut-off run keeps what it measured
+        write_results(results, Path(args.out), model, args.full_decode_only)  # after every variant: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":
