@@ -1,3 +1,4 @@
+import gc
 import os
 import tempfile
 import time
@@ -45,6 +46,17 @@ def _shm_files() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
 
 
+_CREATED_BY: dict[str, str] = {}  # /dev/shm file -> the test module after which it first appeared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _note_dev_shm_files(request):
+    before = _shm_files()
+    yield
+    for name in _shm_files() - before:
+        _CREATED_BY.setdefault(name, request.module.__name__)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_files_left_in_dev_shm():
     """Fail the session if it leaves files in /dev/shm (vLLM's shared-memory communicators and queues, the
@@ -52,13 +64,14 @@ def no_files_left_in_dev_shm():
     file a live process maps belongs to a running program, and one gone a moment later was being cleaned up."""
     before = _shm_files()
     yield
+    gc.collect()  # engines dropped inside a reference cycle (a failed start's traceback) unlink theirs when freed
     left = _shm_files() - before - _mapped_shm_files()
     deadline = time.monotonic() + 20  # an engine vLLM force-killed at exit is still being reaped
     while left and time.monotonic() < deadline:
         time.sleep(1)
         left &= _shm_files() - _mapped_shm_files()
     if left:
-        pytest.fail(f"the tests left {sorted(left)} in {SHM}", pytrace=False)
+        pytest.fail(f"the tests left {({n: _CREATED_BY.get(n, '?') for n in sorted(left)})} in {SHM}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
