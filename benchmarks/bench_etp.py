@@ -31,6 +31,7 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 HEADS_PER_NGRAM, HEAD_DIM = 8, 128  # 16 heads at N = 3
 
@@ -78,8 +79,9 @@ def time_ms(fn, iters):
 
 
 def bench_case(cfg, dev, group, across, dp, replica, tokens, iters) -> dict:
-    etp = PLELayer(cfg, 0, table_format="int8", device=dev, host_table=True, etp_group=group, across_dp=across, replica_group=replica)
-    solo = PLELayer(cfg, 0, table_format="int8", device=dev, host_table=True)
+    solo_storage = PLEStorage("int8", dev, host=True)
+    etp = PLELayer(cfg, 0, replace(solo_storage, etp_group=group, across_dp=across, replica_group=replica))
+    solo = PLELayer(cfg, 0, solo_storage)
     full = torch.randint(-127, 127, (solo.table.rows, solo.table.dim), dtype=torch.int8, device=dev, generator=torch.Generator(dev).manual_seed(0))
     solo.table.weight.copy_(full)
     etp.table.weight.copy_(full[etp.table.start : etp.table.end])

@@ -29,6 +29,7 @@ from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 REAL_VOCAB = 248_320
@@ -105,7 +106,7 @@ def main() -> None:
     spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
     R, H = spec.rows, spec.num_heads
     t0 = time.time()
-    table = PLETable(R, D, fmt="int8", device="cuda", host=True)
+    table = PLETable(R, D, PLEStorage("int8", "cuda", host=True))
     w_host, s_host = table.weight, table.scale
     chunk = 1 << 24
     pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)
@@ -143,7 +144,7 @@ def main() -> None:
           f"sorted {best[True]}: {sweeps[True][best[True]]:.2f} GB/s", flush=True)
 
     # the same rows on 2 MiB pages (--engram-config.use_thp): hugetlb when reserved, else THP
-    huge = PLETable(R, D, fmt="int8", device="cuda", host=True, huge_pages=True)
+    huge = PLETable(R, D, PLEStorage("int8", "cuda", host=True, huge_pages=True))
     for a in range(0, R, chunk):
         huge.weight[a : a + chunk].copy_(w_host[a : a + chunk])
     huge.scale.copy_(s_host)
@@ -214,8 +215,8 @@ def main() -> None:
         )
 
     results = {}
-    hot = HotRows(w_host, s_host, 0, R, args.cache_rows, "cuda", observe=False)
-    traffic = HotRows(w_host, s_host, 0, R, args.cache_rows, "cuda", observe=True)
+    hot = HotRows(w_host, s_host, 0, args.cache_rows, "cuda", observe=False)
+    traffic = HotRows(w_host, s_host, 0, args.cache_rows, "cuda", observe=True)
     calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=T)
     for source, tokens in token_streams(T, gen).items():
         tok = tokens.cuda()
@@ -272,7 +273,7 @@ def main() -> None:
 
 def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generator) -> PLETable:
     """A host-resident table of random finite values in `fmt`, filled in chunks (no full-size temporary)."""
-    t = PLETable(rows, dim, fmt=fmt, device=device, host=True)
+    t = PLETable(rows, dim, PLEStorage(fmt, device, host=True))
     chunk = 1 << 22
     for a in range(0, rows, chunk):
         n = min(chunk, rows - a)

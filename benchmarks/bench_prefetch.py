@@ -25,12 +25,13 @@ from benchmarks.bench_lookup import bench_config
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 HIDDEN = 2048
 
 
 def ple_layer(spec_cfg, host: bool) -> PLELayer:
-    layer = PLELayer(spec_cfg, 0, table_format="int8", device="cuda", host_table=host)
+    layer = PLELayer(spec_cfg, 0, PLEStorage("int8", "cuda", host=host))
     for a in range(0, layer.table.weight.shape[0], 1 << 24):  # any bytes do for timing
         layer.table.weight[a : a + (1 << 24)].fill_(a % 127)
     layer.table.scale.fill_(0.01)

@@ -11,7 +11,7 @@ with and without `embedding_across_dp` — across DP ours (each TP rank sends a 
 tokens) beside upstream vLLM's (DP gather of ids + all-reduce over TP x DP). Per node (`--gpus-per-node`
 ranks): INT8 host bytes without and with `dp_shared_memory` (one copy of the TP-sharded tables for all DP
 replicas on the node). Per rank on the GPU beside host tables: the row scales when kept there
-(`PLETable(scales_on_device=True)`) and the hot-row cache serving's `hot_rows_gib` setting gives it, with
+(`PLEStorage(scales_on_device=True)`) and the hot-row cache serving's `hot_rows_gib` setting gives it, with
 the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
 from a calibration file).
 Writes benchmarks/results/plan_memory.json.
@@ -23,7 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from qwen4_exp_hcu.ple.etp import combine_bytes, owned_rows, upstream_bytes_per_token
+from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
+from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 

@@ -11,11 +11,12 @@ import torch
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 ckpt = sys.argv[1] if len(sys.argv) > 1 else "/tmp/qwen4-tiny-int8"
 device = "cuda" if torch.cuda.is_available() else "cpu"
 cfg = text_config_of(ckpt)
-layer = load_ple_layer(ckpt, cfg.ple_layer_ids[0], device=device, host_table=True, dtype=torch.bfloat16)
+layer = load_ple_layer(ckpt, cfg.ple_layer_ids[0], PLEStorage(device=device, host=True), dtype=torch.bfloat16)
 print("table:", layer.table.describe())
 
 # one step: two requests packed in one batch (5 and 3 tokens), each owning a state slot; both are new

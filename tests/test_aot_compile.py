@@ -35,6 +35,7 @@ from helpers.releases import census, text_config
 from qwen4_exp_hcu.kernels import gather_dequant, ngram_hash, state_scatter
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import FORMATS, PLETable
 from qwen4_exp_hcu.tiny import load_config
 
@@ -79,13 +80,13 @@ def _gather_launches(geometry: str, head_dim: int) -> dict[str, Launch]:
     out = torch.empty(3, 5 * head_dim, dtype=torch.bfloat16)
     launches = {}
     for fmt in FORMATS:
-        table = PLETable(64, head_dim, fmt=fmt)
+        table = PLETable(64, head_dim, PLEStorage(fmt))
         # the scale and global scale as PLETable.lookup passes them
         scale = table.tensor_scale if fmt == "fp8" else table.scale
         global_scale = table.tensor_scale if fmt == "nvfp4" else None
         caches = {"": None}
         if fmt in ("bf16", "int8"):
-            caches["-cache"] = HotRows(table.weight, table.scale, 0, 64, 8, "cpu", observe=False).tensors
+            caches["-cache"] = HotRows(table.weight, table.scale, 0, 8, "cpu", observe=False).tensors
         for where, tuning in (("device", PLETable.DEVICE_TUNING), ("host", PLETable.HOST_TUNING)):
             for suffix, cache in caches.items():
                 launches[f"gather-{fmt}-{where}{suffix}-{geometry}"] = _record(

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint
 
@@ -37,7 +38,7 @@ def test_layer_from_checkpoint_equals_transformers(checkpoints):
 
 def test_int8_checkpoint_equals_bf16_quantized_on_load(checkpoints):
     a = load_ple_layer(checkpoints / "int8", 3)
-    b = load_ple_layer(checkpoints / "bf16", 3, table_format="int8")
+    b = load_ple_layer(checkpoints / "bf16", 3, PLEStorage("int8"))
     assert a.table.quantized and torch.equal(a.table.weight, b.table.weight) and torch.equal(a.table.scale, b.table.scale)
 
 

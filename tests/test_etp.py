@@ -32,7 +32,8 @@ from helpers.dist import CountingGroup, Topology, compare_steps, init_process_gr
 from helpers.layers import ple_state_dict
 from helpers.steps import schedule_step
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
-from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup, owned_rows
+from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup
+from qwen4_exp_hcu.ple.storage import PLEStorage, owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
@@ -72,7 +73,8 @@ CASES = {2: ("tp2", "dp2", "dp2_across"), 4: ("tp2xdp2", "tp2xdp2_across")}
 def _build(cfg, sds, group, across, replica=None):
     return [
         PLELayer.from_state_dict(
-            cfg, i, sd, table_format="int8" if q else "bf16", dtype=torch.float32, etp_group=group, across_dp=across, replica_group=replica
+            cfg, i, sd, dtype=torch.float32,
+            storage=PLEStorage("int8" if q else "bf16", etp_group=group, across_dp=across, replica_group=replica),
         )
         for (i, q), sd in zip(LAYERS, sds)
     ]
@@ -167,7 +169,7 @@ def _rows_fewer_than_ranks(rank, world, failures):
     full = torch.randn(3, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     ranges = []
     for across in (False, True):
-        etp = ETPLookup(3, 4, group, across, fmt="bf16")
+        etp = ETPLookup(3, 4, PLEStorage("bf16", etp_group=group, across_dp=across))
         ranges.append([etp.table.start, etp.table.end])
         etp.table.load_shard(0, full)
         etp.table.check_loaded()
@@ -294,7 +296,7 @@ def test_etp_builds_the_table_of_its_rank():
         (FakeGroup(0, 1), True, (0, 10)),  # a group of one: the whole table
     ]
     for group, across, want in cases:
-        etp = ETPLookup(rows, dim, group, across_dp=across, fmt="bf16")
+        etp = ETPLookup(rows, dim, PLEStorage("bf16", etp_group=group, across_dp=across))
         rank, world = (group.rank_in_group, group.world_size) if group is not None else (0, 1)
         assert (etp.table.start, etp.table.end) == want == owned_rows(rows, rank, world), (rank, world)
         assert (etp.table.rows, etp.table.dim) == (rows, dim)
@@ -302,11 +304,11 @@ def test_etp_builds_the_table_of_its_rank():
         assert etp.across_dp == (across and world > 1)
         assert (etp.group is None) == (world == 1)
     # the PLETable keywords reach the table
-    q = ETPLookup(rows, dim, FakeGroup(1, 2), fmt="int8", shard_rows=3)
+    q = ETPLookup(rows, dim, PLEStorage("int8", etp_group=FakeGroup(1, 2)), shard_rows=3)
     assert (q.table.start, q.table.end, q.table.shard_rows, q.table.weight.dtype) == (5, 10, 3, torch.int8)
     # a layer's table is its ETPLookup's, over its rank's rows
     cfg = tiny_text_config()
-    layer = PLELayer(cfg, 0, etp_group=FakeGroup(1, 2), dtype=torch.float32)
+    layer = PLELayer(cfg, 0, PLEStorage(etp_group=FakeGroup(1, 2)), dtype=torch.float32)
     assert layer.table is layer.etp.table
     assert (layer.table.start, layer.table.end) == owned_rows(layer.spec.rows, 1, 2)
 
@@ -326,7 +328,7 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
     ids = torch.randint(0, max(rows, 1), (6, 2)) if rows else torch.full((6, 2), -1)
     parts = []
     for s, e in ranges:
-        t = PLETable(rows, 3, start=s, end=e, fmt="bf16")
+        t = PLETable(rows, 3, PLEStorage("bf16"), start=s, end=e)
         t.load_shard(0, full)
         parts.append(t.lookup(ids))
     assert torch.equal(torch.stack(parts).sum(0), gather_dequant_reference(ids, full, None, 0))
@@ -334,23 +336,23 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
 
 def test_bytes_per_token_hand_computed():
     """The numbers the multi-process test checks against what its collectives move, and the real scale."""
-    small = {(w, a): ETPLookup(64, 8, FakeGroup(0, w), a, fmt="bf16") for w in (2, 4) for a in (False, True)}
+    small = {(w, a): ETPLookup(64, 8, PLEStorage("bf16", etp_group=FakeGroup(0, w), across_dp=a)) for w in (2, 4) for a in (False, True)}
     assert small[2, False].bytes_per_token(4) == 64  # all-reduce: 2*(2-1)/2 * 4*8*2 B
     assert small[2, True].bytes_per_token(4) == 96  # 1 * 4 ids * 8 B + 1 * 64 B
     assert small[4, False].bytes_per_token(4) == 96  # 2*3/4 * 64 B
     assert small[4, True].bytes_per_token(4) == 288  # 3*32 + 3*64
-    assert ETPLookup(64, 8, None, fmt="bf16").bytes_per_token(4) == 0
+    assert ETPLookup(64, 8, PLEStorage("bf16")).bytes_per_token(4) == 0
     # real model: 16 heads x d=128 (4 KiB bf16 per token); TP4 all-reduce, and TP4 x DP2 across DP
     rows = 1 << 20
-    tp4 = ETPLookup(rows, 128, FakeGroup(0, 4), device="meta")
+    tp4 = ETPLookup(rows, 128, PLEStorage(device="meta", etp_group=FakeGroup(0, 4)))
     assert tp4.bytes_per_token(16) == 2 * 3 * 4096 // 4 == 6144
-    x8 = ETPLookup(rows, 128, FakeGroup(0, 8), True, device="meta")
+    x8 = ETPLookup(rows, 128, PLEStorage(device="meta", etp_group=FakeGroup(0, 8), across_dp=True))
     assert x8.bytes_per_token(16) == 7 * 16 * 8 + 7 * 4096 == 29568
 
 
 def test_capacity_and_max_tokens_errors_come_before_any_collective():
     cfg = tiny_text_config()
-    layer = PLELayer(cfg, 0, etp_group=FakeGroup(0, 2), across_dp=True, dtype=torch.float32)
+    layer = PLELayer(cfg, 0, PLEStorage(etp_group=FakeGroup(0, 2), across_dp=True), dtype=torch.float32)
     ws = PrefetchWorkspace([layer], 4, "cpu")
     state = PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32)
 

@@ -24,6 +24,7 @@ from helpers.oracles import bits, finite_e4m3, lookups
 from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, unpack_e2m1
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 TABLE = "ple_embedding.ngram_embedding"
@@ -85,7 +86,7 @@ def nvfp4_table(rows=48, dim=32, seed=0):
 def test_nvfp4_table_lookup_equals_compressed_tensors_decode(path):
     packed, block, scale_2 = nvfp4_table()
     rows, dim = packed.shape[0], packed.shape[1] * 2
-    table = PLETable(rows, dim, fmt="nvfp4")  # storage filled directly: the numerics, not the loader
+    table = PLETable(rows, dim, PLEStorage("nvfp4"))  # storage filled directly: the numerics, not the loader
     table.weight.copy_(packed)
     table.scale.copy_(block)
     table.tensor_scale.copy_(scale_2)
@@ -116,7 +117,7 @@ def test_nvfp4_layer_with_table_level_scale_2_equals_compressed_tensors_decode(s
         rows = slice(j * n, (j + 1) * n)
         sd[f"{TABLE}.shard_{j}.weight"], sd[f"{TABLE}.shard_{j}.weight_scale"] = packed[rows], block[rows]
     sd[f"{TABLE}.weight_scale_2"] = scale_2
-    layer = PLELayer.from_state_dict(cfg, 1, sd, table_format="nvfp4")
+    layer = PLELayer.from_state_dict(cfg, 1, sd, storage=PLEStorage("nvfp4"))
     ids = torch.randint(0, spec.rows, (50, spec.num_heads), generator=torch.Generator().manual_seed(3))
     want = nvfp4_reference(packed, block, scale_2)[ids].flatten(1)
     assert torch.equal(bits(layer.table.lookup(ids)), bits(want))
@@ -165,7 +166,7 @@ def fp8_layer(scale: torch.Tensor, seed=0):
     sd = {k: v for k, v in ple_state_dict(cfg, 1, False, seed=seed).items() if TABLE not in k}
     sd.update({f"{TABLE}.shard_{j}.weight": table[j * n : (j + 1) * n] for j in range(cfg.split_ngram_parts)})
     sd[f"{TABLE}.weight_scale"] = scale
-    return PLELayer.from_state_dict(cfg, 1, sd, table_format="fp8"), table, spec
+    return PLELayer.from_state_dict(cfg, 1, sd, storage=PLEStorage("fp8")), table, spec
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])

@@ -41,6 +41,7 @@ from helpers.layers import ple_state_dict  # noqa: E402
 from helpers.oracles import fp8_rows, nvfp4_rows  # noqa: E402
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState  # noqa: E402
 from qwen4_exp_hcu.ple.layer import PLELayer  # noqa: E402
+from qwen4_exp_hcu.ple.storage import PLEStorage  # noqa: E402
 
 SHARD = "ple_embedding.ngram_embedding.shard_{}.weight"
 TABLE_SCALE = {"fp8": "ple_embedding.ngram_embedding.weight_scale", "nvfp4": "ple_embedding.ngram_embedding.weight_scale_2"}
@@ -77,8 +78,8 @@ def test_upstream_tables_load_and_equal_their_dequantized_rows(fmt):
     dequantized rows does; the storage keeps the checkpoint's bytes (no conversion on load)."""
     cfg = tiny_text_config(**NVFP4_CFG)
     quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt)
-    ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, dtype=torch.float32)
-    ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
+    ours = PLELayer.from_state_dict(cfg, 1, quantized, storage=PLEStorage(fmt), dtype=torch.float32)
+    ref = PLELayer.from_state_dict(cfg, 1, bf16, storage=PLEStorage("bf16"), dtype=torch.float32)
     assert ours.table.weight.dtype == {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}[fmt]
     assert ours.table.nbytes < ref.table.nbytes / (1.9 if fmt == "fp8" else 3.5)
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
@@ -97,8 +98,8 @@ def test_gpu_upstream_tables_look_up_exactly(fmt, host):
     holding the dequantized rows."""
     cfg = tiny_text_config(**NVFP4_CFG)
     quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt)
-    ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, device="cuda", host_table=host, dtype=torch.float32)
-    ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
+    ours = PLELayer.from_state_dict(cfg, 1, quantized, storage=PLEStorage(fmt, "cuda", host=host), dtype=torch.float32)
+    ref = PLELayer.from_state_dict(cfg, 1, bf16, storage=PLEStorage("bf16"), dtype=torch.float32)
     assert ours.table.weight.is_pinned() == host
     ids = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
     batch = PLEBatch.from_lengths(ids, [200, 100], [0, 2], [False, False])
@@ -116,9 +117,9 @@ def test_table_scale_any_float_dtype_and_shape(fmt, scale):
     to the same table."""
     cfg = tiny_text_config(**NVFP4_CFG)
     quantized, bf16 = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), fmt, table_scale=scale)
-    ours = PLELayer.from_state_dict(cfg, 1, quantized, table_format=fmt, dtype=torch.float32)
+    ours = PLELayer.from_state_dict(cfg, 1, quantized, storage=PLEStorage(fmt), dtype=torch.float32)
     assert ours.table.tensor_scale.tolist() == [0.25]
-    ref = PLELayer.from_state_dict(cfg, 1, bf16, table_format="bf16", dtype=torch.float32)
+    ref = PLELayer.from_state_dict(cfg, 1, bf16, storage=PLEStorage("bf16"), dtype=torch.float32)
     ids = torch.arange(cfg.vocab_size)
     batch = PLEBatch.from_lengths(ids, [cfg.vocab_size], [0], [False])
     state = lambda: PLEState.zeros(ref.state_shapes(), 1, torch.float32)  # noqa: E731
@@ -132,22 +133,22 @@ def test_upstream_table_errors_name_the_tensor():
     scale_2 = TABLE_SCALE["nvfp4"]
     missing = {prefix + k: v for k, v in quantized.items() if k != scale_2}
     with pytest.raises(ValueError, match=r"layers\.2\.ple\.ple_embedding\.ngram_embedding\.weight_scale_2 is missing"):
-        PLELayer.from_state_dict(cfg, 1, missing, prefix, table_format="nvfp4")
+        PLELayer.from_state_dict(cfg, 1, missing, prefix, storage=PLEStorage("nvfp4"))
     for bad, why in ((0.0, "finite and positive"), (-1.0, "finite and positive"), (float("nan"), "finite and positive"),
                      (float("inf"), "finite and positive")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"ngram_embedding\.weight_scale_2: the table scale must be {why}"):
-            PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([bad])}), table_format="nvfp4")
+            PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([bad])}), storage=PLEStorage("nvfp4"))
     with pytest.raises(ValueError, match=r"weight_scale_2: expected one floating-point scale"):
-        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([0.5, 0.5])}), table_format="nvfp4")
+        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([0.5, 0.5])}), storage=PLEStorage("nvfp4"))
     with pytest.raises(ValueError, match=r"weight_scale_2: expected one floating-point scale"):
-        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([1], dtype=torch.int32)}), table_format="nvfp4")
+        PLELayer.from_state_dict(cfg, 1, dict(quantized, **{scale_2: torch.tensor([1], dtype=torch.int32)}), storage=PLEStorage("nvfp4"))
     with pytest.raises(ValueError, match=r"weight_scale_2: a table-level scale in a table the checkpoint's config declares int8"):
-        PLELayer.from_state_dict(cfg, 1, quantized, table_format="int8")
+        PLELayer.from_state_dict(cfg, 1, quantized, storage=PLEStorage("int8"))
     with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.uint8 shard in a table the checkpoint's config declares int8"):
-        PLELayer.from_state_dict(cfg, 1, {k: v for k, v in quantized.items() if k != scale_2}, table_format="int8")
+        PLELayer.from_state_dict(cfg, 1, {k: v for k, v in quantized.items() if k != scale_2}, storage=PLEStorage("int8"))
     fp8, _ = upstream_layout(ple_state_dict(cfg, 1, False, seed=3), "fp8")
     with pytest.raises(ValueError, match=r"shard_0\.weight: a torch\.float8_e4m3fn shard in a table the checkpoint's config declares bf16"):
-        PLELayer.from_state_dict(cfg, 1, fp8, table_format="bf16")
+        PLELayer.from_state_dict(cfg, 1, fp8, storage=PLEStorage("bf16"))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -159,4 +160,4 @@ def test_old_per_shard_scales_fail_with_how_to_convert(fmt):
     old = {k: v for k, v in quantized.items() if k != TABLE_SCALE[fmt]}
     old[SHARD.format(0) + ("_scale" if fmt == "fp8" else "_scale_2")] = torch.tensor([0.25])
     with pytest.raises(ValueError, match=r"shard_0\.weight_scale(_2)?: a per-shard table scale.*python -m qwen4_exp_hcu\.quantize"):
-        PLELayer.from_state_dict(cfg, 1, old, table_format=fmt)
+        PLELayer.from_state_dict(cfg, 1, old, storage=PLEStorage(fmt))

@@ -13,6 +13,7 @@ copies and fail the check).
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 MEASURED_BYTES = 64 << 20  # the shared tensor whose host bytes are measured
 
@@ -52,9 +54,11 @@ def _worker(rank, world, tmp, run, on_gpu):
         torch.cuda.set_device(dev)
     cfg = tiny_text_config()
     sd = ple_state_dict(cfg, 1, True, seed=4)
-    kw = dict(table_format="int8", host_table=True, dtype=torch.float32, device=dev)
-    shared = PLELayer.from_state_dict(cfg, 1, sd, shared_host=SharedHost(TorchGroup(), run), **kw)
-    private = PLELayer.from_state_dict(cfg, 1, sd, **kw)
+    storage = PLEStorage("int8", dev, host=True)
+    shared = PLELayer.from_state_dict(
+        cfg, 1, sd, storage=replace(storage, shared=SharedHost(TorchGroup(), run)), dtype=torch.float32
+    )
+    private = PLELayer.from_state_dict(cfg, 1, sd, storage=storage, dtype=torch.float32)
     mappings = _mappings(run)
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(rank)).to(dev)
     batch = PLEBatch.from_lengths(ids, [6, 3], [0, 1], [False, False])

@@ -56,7 +56,7 @@ def test_lookups_through_a_refreshing_cache_are_exact(fmt, n, slots, seed, steps
     g = torch.Generator().manual_seed(seed)
     w, s = table(n, fmt, g)  # this rank's rows [start, start + n) of a table of n + 10 rows
     start = 5
-    hot = HotRows(w, s, start, start + n, slots, "cpu", observe=True)
+    hot = HotRows(w, s, start, slots, "cpu", observe=True)
     hot.refresh_every = 2
     for step in range(steps):
         ids = zipf_ids(n + 10, 30, g, shift=3 * step)
@@ -81,7 +81,7 @@ def test_a_wrong_cached_row_is_caught():
     """The exactness check above reads cached rows: one corrupted slot changes the lookup."""
     g = torch.Generator().manual_seed(0)
     w, s = table(50, "int8", g)
-    hot = HotRows(w, s, 0, 50, 8, "cpu", observe=False)
+    hot = HotRows(w, s, 0, 8, "cpu", observe=False)
     ids = zipf_ids(50, 40, g, shift=0).clamp(0, 49)
     hot.fill(ids)
     hot.rows[hot.map[ids[0]].long()] += 1
@@ -90,7 +90,7 @@ def test_a_wrong_cached_row_is_caught():
 
 def test_calibration_fill_caches_the_most_frequent_rows_and_reports_their_share():
     w, s = table(8, "bf16", torch.Generator().manual_seed(0))
-    hot = HotRows(w, s, 2, 10, 2, "cpu", observe=False)
+    hot = HotRows(w, s, 2, 2, "cpu", observe=False)
     ids = torch.tensor([3, 3, 3, 7, 7, 4, 0, 0, 0, 0, 11])  # 0 and 11 are not owned: not counted
     assert hot.fill(ids) == pytest.approx(5 / 6)
     assert sorted((hot.slot_row + 2).tolist()) == [3, 7]
@@ -107,7 +107,7 @@ def test_budget_arithmetic():
     assert HotRows.slots_for(10**9, 1000, row, observe=False) == 1000  # never more slots than rows
     assert HotRows.slots_for(3999, 1000, row, observe=False) < 1
     with pytest.raises(ValueError, match="at least one slot"):
-        HotRows(torch.zeros(4, D), None, 0, 4, 0, "cpu", observe=False)
+        HotRows(torch.zeros(4, D), None, 0, 0, "cpu", observe=False)
 
 
 def test_calibration_file_is_checked(tmp_path):

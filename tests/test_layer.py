@@ -118,8 +118,9 @@ def test_load_errors_named():
     cfg = tiny_text_config()
     hf, _ = make_pair(cfg)
     from qwen4_exp_hcu.ple.layer import PLELayer
+    from qwen4_exp_hcu.ple.storage import PLEStorage
 
-    layer = PLELayer(cfg, 1, table_format="int8", dtype=torch.float32)
+    layer = PLELayer(cfg, 1, PLEStorage("int8"), dtype=torch.float32)
     with pytest.raises(ValueError, match="ple.ple_embedding.layer_multipliers"):
         layer.load_weight("ple_embedding.layer_multipliers", torch.tensor([1, 2, 3]), "model.layers.2.ple.")
     with pytest.raises(ValueError, match="model.layers.2.ple.key_proj.weight"):
@@ -137,7 +138,7 @@ def test_load_errors_named():
 def test_gpu_layer_with_host_table_matches_cpu():
     cfg = tiny_text_config(ngram_size=3)
     _, cpu = make_pair(cfg, quantized=True)
-    _, gpu = make_pair(cfg, quantized=True, device="cuda", host_table=True)
+    _, gpu = make_pair(cfg, quantized=True, device="cuda", host=True)
     assert gpu.table.weight.is_pinned()
     C = cfg.hidden_size * cfg.hc_count
     st_c, st_g = empty_state(cpu, 4), empty_state(gpu, 4, device="cuda")
@@ -165,7 +166,7 @@ def test_gpu_hot_rows_from_calibration_change_nothing_but_where_rows_are_read():
     """`PLELayer.enable_hot_rows` with calibration tokens: the hash of the stream picks the cached rows;
     lookups through the cache equal those without it."""
     cfg = tiny_text_config(ngram_size=3)
-    _, gpu = make_pair(cfg, quantized=True, device="cuda", host_table=True)
+    _, gpu = make_pair(cfg, quantized=True, device="cuda", host=True)
     state = empty_state(gpu, 2, device="cuda")
     ids = torch.randint(0, 97, (40,), device="cuda")
     batch = PLEBatch.from_lengths(ids, [30, 10], [0, 1], [False, False])

@@ -2,7 +2,7 @@
 
 One process per GPU (``cuda:{rank}``), running ``helpers.nccl_etp.nccl_worker``. Topologies: TP2 (one ETP group,
 both ranks the same tokens) and DP2 with ``embedding_across_dp`` (one ETP group, different tokens per rank,
-max_tokens = the graph's static token count). Tables in pinned host memory (``host_table=True``), read by
+max_tokens = the graph's static token count). Tables in pinned host memory (``PLEStorage(host=True)``), read by
 the fused kernel over UVA.
 
 Per topology:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from helpers.dist import Topology
 from helpers.nccl_etp import NCCL_LAYERS, NCCL_MAX_T, NCCL_NSTEPS, NCCL_SCHEDULES, run_nccl_workers, write_etp_results
-from qwen4_exp_hcu.ple.etp import TorchGroup, combine_bytes, owned_rows
+from qwen4_exp_hcu.ple.etp import TorchGroup, combine_bytes
+from qwen4_exp_hcu.ple.storage import owned_rows
 
 pytestmark = [
     pytest.mark.multi_gpu,

@@ -48,7 +48,7 @@ def test_capacity_and_pairing_errors():
 def test_gpu_prefetch_in_cuda_graph_replays_exactly():
     cfg = tiny_text_config()
     _, ref = make_pair(cfg, quantized=True)
-    _, layer = make_pair(cfg, quantized=True, device="cuda", host_table=True)
+    _, layer = make_pair(cfg, quantized=True, device="cuda", host=True)
     layer.to(torch.bfloat16), ref.to(torch.bfloat16)
     ws = PrefetchWorkspace([layer], max_tokens=32, device="cuda")
     C, T, B = cfg.hidden_size * cfg.hc_count, 24, 3

@@ -84,7 +84,7 @@ class Rig:
         cfg = tiny_text_config()
         self.C = cfg.hidden_size * cfg.hc_count
         self.layers = [
-            make_pair(cfg, ple_index=i, quantized=True, device="cuda", host_table=True)[1].to(torch.bfloat16)
+            make_pair(cfg, ple_index=i, quantized=True, device="cuda", host=True)[1].to(torch.bfloat16)
             for i in (0, 1)
         ]
         self.refs = [make_pair(cfg, ple_index=i, quantized=True)[1].to(torch.bfloat16) for i in (0, 1)]

@@ -7,6 +7,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEm
 from helpers.configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 
@@ -17,7 +18,7 @@ def shards(weight, parts):
 
 def table_from(weight, parts=4, quantized=False, **kw):
     n, pieces = shards(weight, parts)
-    t = PLETable(weight.shape[0], weight.shape[1], fmt="int8" if quantized else "bf16", shard_rows=n, **kw)
+    t = PLETable(weight.shape[0], weight.shape[1], PLEStorage("int8" if quantized else "bf16", **kw), shard_rows=n)
     for j in t.expected_shards():
         t.load_shard(j, pieces[j])
     t.check_loaded()
@@ -48,7 +49,7 @@ def test_int8_table_and_etp_ranges_sum_to_whole():
     _, ss = shards(s, 5)
     total = torch.zeros(50, 48, dtype=torch.float32)
     for start, end in [(0, 70), (70, 71), (71, 71), (71, 203)]:
-        t = PLETable(203, 16, start=start, end=end, fmt="int8", shard_rows=n)
+        t = PLETable(203, 16, PLEStorage("int8"), start=start, end=end, shard_rows=n)
         for j in t.expected_shards():
             t.load_shard(j, qs[j], ss[j])
         t.check_loaded()
@@ -107,7 +108,7 @@ def anon_huge_kib(tensor) -> int:
 def test_bad_inputs_named():
     with pytest.raises(ValueError, match=r"\[5, 20\) is not inside the table's 10 rows"):
         PLETable(10, 4, start=5, end=20)
-    t = PLETable(10, 4, fmt="int8", shard_rows=5)
+    t = PLETable(10, 4, PLEStorage("int8"), shard_rows=5)
     q, s = quantize_rows(torch.randn(5, 4))
     with pytest.raises(ValueError, match="shard_0_scale"):
         t.load_shard(0, q, s.float(), name="shard_0")
@@ -204,7 +205,7 @@ def test_gpu_hot_row_cache_changes_nothing_but_speed():
 @pytest.mark.gpu
 def test_gpu_host_table_is_exactly_its_size_and_released():
     for _ in range(3):  # re-registering freed memory would fail if a table were not unregistered
-        t = PLETable(1_000_003, 128, fmt="int8", device="cuda", host=True)
+        t = PLETable(1_000_003, 128, PLEStorage("int8", "cuda", host=True))
         assert t.weight.is_pinned() and t.scale.is_pinned()
         assert t.weight.untyped_storage().nbytes() == 1_000_003 * 128
         assert t.nbytes == 1_000_003 * 130

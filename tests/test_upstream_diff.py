@@ -28,6 +28,7 @@ from helpers.steps import pack
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 CENSUS = Path(__file__).resolve().parent / "data" / "census.json"  # a copy of ../shared/official-checkpoint/census.json
 TABLE = "ngram_embedding"  # the table module, relative to `ple_embedding.`
@@ -161,7 +162,7 @@ def test_table_loads_and_looks_up_like_upstream(vllm_process, case, path):
     up = upstream_ngram_embedding(cfg, 1)
     loaded = up.load_weights(iter(weights))
     assert {f"{TABLE}.weight"} | ({f"{TABLE}.weight_scale"} if fp8 else set()) <= loaded
-    ours = PLELayer(cfg, 1, table_format="fp8" if fp8 else "bf16")
+    ours = PLELayer(cfg, 1, PLEStorage("fp8" if fp8 else "bf16"))
     prefix = "model.layers.2.ple."
     for name, tensor in weights:
         ours.load_weight(f"ple_embedding.{name}", tensor, prefix)
@@ -212,7 +213,7 @@ def test_fp8_table_scale_shapes_accepted_like_upstream(vllm_process, scale, acce
             return False
         return True
 
-    up, ours = upstream_ngram_embedding(cfg, 1), PLELayer(cfg, 1, table_format="fp8")
+    up, ours = upstream_ngram_embedding(cfg, 1), PLELayer(cfg, 1, PLEStorage("fp8"))
     assert takes(lambda: up.load_weights([(f"{TABLE}.weight_scale", scale)])) == accepted
     assert takes(lambda: ours.load_weight(f"ple_embedding.{TABLE}.weight_scale", scale)) == accepted
 

@@ -120,7 +120,7 @@ def test_pipeline_parallel_is_rejected(vllm_process, bf16_path, architecture):
 
 
 def test_cpu_offload_needs_uva():
-    from qwen4_exp_hcu.model.ple import check_uva
+    from qwen4_exp_hcu.model.ple_placement import check_uva
 
     with pytest.raises(ValueError, match=r"--engram-config.cpu_offload=True.*UVA.*cpu_offload=False"):
         check_uva(True, torch.device("cuda", 0), uva_available=False, platform="xpu")
@@ -216,14 +216,15 @@ def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int
     import shutil
     from collections import namedtuple
 
-    from qwen4_exp_hcu.model.ple import dp_shared_host
+    from qwen4_exp_hcu.model.ple_placement import dp_shared_host
+    from qwen4_exp_hcu.ple.storage import PLEStorage
 
     config = engine_config(int8_path)
-    shared = dp_shared_host(config, "int8")
+    shared = dp_shared_host(config, PLEStorage("int8"))
     assert shared is not None and shared.writer and shared.run.startswith("qwen4hcu-")
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 20, 1 << 20, 1000))  # 1000 B free
-    assert dp_shared_host(config, "int8") is None
+    assert dp_shared_host(config, PLEStorage("int8")) is None
 
 
 def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_path):
@@ -231,7 +232,8 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
     error naming the setting."""
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.model.ple import hot_rows_settings
+    from qwen4_exp_hcu.model.ple_placement import hot_rows_settings
+    from qwen4_exp_hcu.ple.storage import PLEStorage
 
     calibration = tmp_path / "calibration.safetensors"
     save_file({"tokens": torch.tensor([5, 6, 7, EOS, 5, 6])}, calibration)
@@ -239,7 +241,7 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
 
     def settings(cpu_offload=True, device=cuda, fmt="int8", **values):
         config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": values})
-        return hot_rows_settings(config, cpu_offload, device, fmt)
+        return hot_rows_settings(config, PLEStorage(fmt, device, host=cpu_offload))
 
     assert settings() == (0, None)  # off unless sized
     budget, tokens = settings(hot_rows_gib=0.5, hot_rows_calibration=str(calibration))

@@ -136,11 +136,11 @@ def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, monke
     every draft were accepted, must fail: the tolerance is sensitive to the rollback."""
     import dataclasses
 
-    from qwen4_exp_hcu.model import ple
+    from qwen4_exp_hcu.model import ple_step
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
-    pack = ple._pack_speculative
-    monkeypatch.setattr(ple, "_pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
+    pack = ple_step.pack_speculative
+    monkeypatch.setattr(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
     broken, _ = generate(checkpoint, plain["prompts"], SPECULATIVE)
     mean, worst = errors(broken, plain["outputs"])
     print(f"SPEC-FAULT logprob err mean {mean:.4f} max {worst:.4f}")
@@ -153,7 +153,7 @@ def test_speculative_metadata_becomes_one_batch_in_request_order():
     prefills)."""
     from types import SimpleNamespace
 
-    from qwen4_exp_hcu.model.ple import _pack_speculative
+    from qwen4_exp_hcu.model.ple_step import pack_speculative
 
     metadata = SimpleNamespace(
         num_reqs=4, num_spec_decodes=2, num_decodes=1, num_prefills=1,
@@ -164,7 +164,7 @@ def test_speculative_metadata_becomes_one_batch_in_request_order():
         has_initial_states_d=torch.tensor([True]), has_initial_states_p=torch.tensor([False]),
     )  # fmt: skip
     with patch_forward_context():
-        batch = _pack_speculative(metadata, torch.arange(11))
+        batch = pack_speculative(metadata, torch.arange(11))
     assert batch.slot_ids.tolist() == [30, 31, 32, 33]
     assert batch.verify.tolist() == [True, False, False, True]
     assert batch.num_accepted.tolist() == [2, 1, 1, 4]
@@ -173,11 +173,11 @@ def test_speculative_metadata_becomes_one_batch_in_request_order():
 
 
 def patch_forward_context():
-    """`_pack_speculative` asks the forward context for DP metadata; a step without DP has none."""
+    """`pack_speculative` asks the forward context for DP metadata; a step without DP has none."""
     from types import SimpleNamespace
     from unittest import mock
 
-    return mock.patch("qwen4_exp_hcu.model.ple.get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
+    return mock.patch("qwen4_exp_hcu.model.ple_step.get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
 
 
 def test_speculators_that_need_a_draft_model_are_rejected():

@@ -50,13 +50,13 @@ def break_state_carry() -> None:
 
     from qwen4_exp_hcu.model import ple
 
-    pack = ple._pack
+    pack = ple.pack
 
     def fresh_every_step(metadata, input_ids):
         batch = pack(metadata, input_ids)
         return dataclasses.replace(batch, has_initial_state=torch.zeros_like(batch.has_initial_state))
 
-    ple._pack = fresh_every_step
+    ple.pack = fresh_every_step
 
 
 def top_logprobs(output) -> list[list[list[float]]]:

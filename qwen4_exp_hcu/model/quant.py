@@ -10,7 +10,7 @@ another method (`quant_method: fp8`, ModelOpt, ...), a compressed-tensors config
   and vLLM's own method resolution applies (e.g. ModelOpt `NVFP4` → `modelopt_fp4`).
 
 Either way every main-model layer gets exactly the method and kernels vLLM gives its scheme, and the PLE
-layers read their INT8 shards themselves (`model.ple.ple_table_format`). No scheme is re-implemented here.
+layers read their INT8 shards themselves (`model.ple_placement.ple_table_format`). No scheme is re-implemented here.
 """
 
 from typing import Any

@@ -1,1 +1,1 @@
-"""Per-Layer-Embedding (PLE) layers: hash, INT8 table, lookup, layer, prefetch, ETP. No vLLM imports."""
+"""Per-Layer-Embedding (PLE) layers: hash, storage, table, lookup, layer, prefetch, ETP. No vLLM imports."""

@@ -7,15 +7,18 @@ checkpoint's config declares them (`ple.declaration`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
 from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 
 def text_config_of(checkpoint: str | Path):
@@ -23,10 +26,11 @@ def text_config_of(checkpoint: str | Path):
     return getattr(cfg, "text_config", None) or cfg
 
 
-def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
-    """The PLE layer of 1-indexed decoder layer `layer_id` (as in `ple_layer_ids`); `kw` go to PLELayer
-    (device, host_table, etp_group, across_dp, dtype). The storage format is the checkpoint's, unless
-    `table_format` asks for BF16 <-> INT8 on the fly."""
+def load_ple_layer(
+    checkpoint: str | Path, layer_id: int, storage: PLEStorage = PLEStorage(), dtype: torch.dtype = torch.bfloat16
+) -> PLELayer:
+    """The PLE layer of 1-indexed decoder layer `layer_id` (as in `ple_layer_ids`), stored as `storage` says.
+    The table format is the checkpoint's, unless `storage.format` asks for BF16 <-> INT8 on the fly."""
     checkpoint = Path(checkpoint)
     cfg = text_config_of(checkpoint)
     index = next((i for i in ple_layers(cfg) if i.layer_id == layer_id), None)
@@ -34,7 +38,9 @@ def load_ple_layer(checkpoint: str | Path, layer_id: int, **kw) -> PLELayer:
         raise ValueError(f"decoder layer {layer_id} has no PLE (ple_layer_ids={cfg.ple_layer_ids}).")
     raw = json.loads((checkpoint / "config.json").read_text())
     stored = declared_table_format(cfg, raw.get("quantization_config"), table_names(cfg))
-    layer = PLELayer(cfg, index.ple, table_format=kw.pop("table_format", stored), **kw)
+    if storage.format is None:
+        storage = dataclasses.replace(storage, format=stored)
+    layer = PLELayer(cfg, index.ple, storage, dtype)
     prefix = index.prefix
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:

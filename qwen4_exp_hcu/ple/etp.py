@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 
@@ -68,13 +69,6 @@ class TorchGroup:
         return out
 
 
-def owned_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Contiguous `[start, end)` row range of `rank`; sizes differ by at most one row."""
-    base, extra = divmod(rows, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
-
-
 def combine_bytes(world: int, across_dp: bool, num_heads: int, dim: int, tokens: int, replica: int = 1) -> int:
     """Bytes each rank sends/receives (ring volume) combining one step: `tokens` = this rank's tokens, or
     across DP the step's token bound (largest replica); `replica` = TP ranks per DP replica."""
@@ -95,25 +89,22 @@ def upstream_bytes_per_token(world: int, dp: int, num_heads: int, dim: int) -> f
 
 
 class ETPLookup:
-    """A PLE table sharded over `group` by rows: builds this rank's `PLETable` (its owned range) and looks
-    rows up, combining over the group; `across_dp` when the ranks hold different tokens, with `replica`
-    the ranks of this rank's DP replica (its TP group; None: one rank per replica)."""
+    """A PLE table sharded by rows over `storage.etp_group`: builds this rank's `PLETable` (its owned range)
+    and looks rows up, combining over the group; `storage.across_dp` when the ranks hold different tokens,
+    with `storage.replica_group` the ranks of this rank's DP replica (its TP group; None: one rank per replica)."""
 
-    def __init__(
-        self, rows: int, dim: int, group: Group | None = None, across_dp: bool = False,
-        replica: Group | None = None, **table_kw,
-    ):  # fmt: skip
+    def __init__(self, rows: int, dim: int, storage: PLEStorage = PLEStorage(), shard_rows: int | None = None):
+        group, replica = storage.etp_group, storage.replica_group
         self.group = group if group is not None and group.world_size > 1 else None
-        self.across_dp = across_dp and self.group is not None
+        self.across_dp = storage.across_dp and self.group is not None
         self.replica = replica if self.across_dp and replica is not None and replica.world_size > 1 else None
         if self.replica is not None and self.group.world_size % self.replica.world_size:
             raise ValueError(
                 f"ETP group of {self.group.world_size} ranks is not a whole number of DP replicas of "
                 f"{self.replica.world_size} ranks."
             )
-        rank, world = (group.rank_in_group, group.world_size) if self.group is not None else (0, 1)
-        start, end = owned_rows(rows, rank, world)
-        self.table = PLETable(rows, dim, start=start, end=end, **table_kw)
+        start, end = storage.owned_rows(rows)
+        self.table = PLETable(rows, dim, storage, start=start, end=end, shard_rows=shard_rows)
 
     def bytes_per_token(self, num_heads: int) -> int:
         """Bytes this rank moves per token of its own (across DP: per token of its replica, a multiple

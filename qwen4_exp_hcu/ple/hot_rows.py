@@ -17,12 +17,12 @@ REFRESH_EVERY = 256  # eager lookups between refreshes: one topk over the counts
 
 
 class HotRows:
-    """Cache slots for rows [start, end) of `weight` (+ `scale`, [rows, 1], INT8 tables) on `device`."""
+    """Cache slots for `weight`, a table's rows from `start` on (+ `scale`, [rows, 1], INT8 tables), on `device`."""
 
-    def __init__(self, weight, scale, start: int, end: int, slots: int, device, observe: bool) -> None:
+    def __init__(self, weight, scale, start: int, slots: int, device, observe: bool) -> None:
         if slots < 1:
             raise ValueError(f"a hot-row cache needs at least one slot, got {slots}.")
-        self.weight, self.scale, self.start, self.n = weight, scale, start, end - start
+        self.weight, self.scale, self.start, self.n = weight, scale, start, weight.shape[0]
         self.map = torch.full((self.n,), -1, dtype=torch.int32, device=device)  # owned row -> slot, -1: miss
         self.rows = torch.zeros((slots, weight.shape[1]), dtype=weight.dtype, device=device)
         self.row_scales = None if scale is None else torch.zeros((slots, 1), dtype=scale.dtype, device=device)

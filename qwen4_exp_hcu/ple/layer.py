@@ -18,11 +18,11 @@ from qwen4_exp_hcu.kernels.state_scatter import scatter_rows, scatter_rows_refer
 from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, TABLE_SCALE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
-from qwen4_exp_hcu.ple.etp import ETPLookup, Group
+from qwen4_exp_hcu.ple.etp import ETPLookup
 from qwen4_exp_hcu.ple.formats import FORMATS
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
-from qwen4_exp_hcu.ple.host_memory import SharedHost
 from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 
 def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -89,20 +89,10 @@ class _Conv1dWeight(nn.Module):
 
 
 class PLELayer(nn.Module):
+    """The PLE of one decoder layer; its table is stored and sharded as `storage` says, its parameters are `dtype`."""
+
     def __init__(
-        self,
-        text_config,
-        ple_layer_index: int,
-        *,
-        table_format: str = "bf16",
-        device: torch.device | str = "cpu",
-        host_table: bool = False,
-        etp_group: Group | None = None,
-        across_dp: bool = False,
-        replica_group: Group | None = None,
-        shared_host: SharedHost | None = None,
-        huge_pages: bool = False,
-        dtype: torch.dtype = torch.bfloat16,
+        self, text_config, ple_layer_index: int, storage: PLEStorage = PLEStorage(), dtype: torch.dtype = torch.bfloat16
     ):
         super().__init__()
         self.spec = spec = NgramHashSpec.from_config(text_config, ple_layer_index)
@@ -111,11 +101,9 @@ class PLELayer(nn.Module):
         self._config = text_config
         self.state_len = state_shapes(text_config)[1][0]
         embed_dim, width = spec.num_heads * spec.head_dim, self.hidden * self.hc
-        self.etp = ETPLookup(
-            spec.rows, spec.head_dim, etp_group, across_dp, replica_group, fmt=table_format, device=device,
-            host=host_table, shard_rows=-(-spec.rows // text_config.split_ngram_parts),
-            shared=None if shared_host is None else shared_host.scoped(f"ple{ple_layer_index}"), huge_pages=huge_pages,
-        )  # fmt: skip
+        shard_rows = -(-spec.rows // text_config.split_ngram_parts)
+        self.etp = ETPLookup(spec.rows, spec.head_dim, storage.scoped(f"ple{ple_layer_index}"), shard_rows)
+        device = storage.device
         kw = dict(device=device, dtype=dtype)
         self.key_proj = nn.Linear(embed_dim, width, bias=False, **kw)
         self.value_proj = nn.Linear(embed_dim, self.hidden, bias=False, **kw)
@@ -286,9 +274,12 @@ class PLELayer(nn.Module):
         return hot
 
     @classmethod
-    def from_state_dict(cls, text_config, ple_layer_index: int, state_dict: dict, prefix: str = "", **kw) -> PLELayer:
+    def from_state_dict(
+        cls, text_config, ple_layer_index: int, state_dict: dict, prefix: str = "",
+        storage: PLEStorage = PLEStorage(), dtype: torch.dtype = torch.bfloat16,
+    ) -> PLELayer:  # fmt: skip
         """Build from transformers-named tensors (e.g. `model.layers.0.ple.`-prefixed), BF16 or INT8 shards."""
-        layer = cls(text_config, ple_layer_index, **kw)
+        layer = cls(text_config, ple_layer_index, storage, dtype)
         for name, t in state_dict.items():
             if name.startswith(prefix):
                 layer.load_weight(name[len(prefix):], t, prefix)

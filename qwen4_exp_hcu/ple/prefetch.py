@@ -1,7 +1,7 @@
 """Prefetch workspace: start each PLE lookup on a side stream while the preceding decoder layer runs.
 
-`PrefetchWorkspace(layers, max_tokens, device).handles[i]` is layer i's `Prefetch`: `start(batch, state)`
-launches its hash + lookup + ETP combine, `wait()` joins it and returns the embeddings to pass to
+`PrefetchWorkspace(layers, max_tokens, device).handles[i]` (or `.add(layer)`) is layer i's `Prefetch`:
+`start(batch, state)` launches its hash + lookup + ETP combine, `wait()` joins it and returns the embeddings to pass to
 `PLELayer.forward(..., embeddings=)`. Persistent output buffers sized for `max_tokens` keep addresses
 fixed, so `start`/`wait` capture into one CUDA graph as a fork/join of the side stream (event record +
 wait) and replay with new inputs. On CPU, `start` runs the lookup at once. A handle holds the inputs of a
@@ -62,7 +62,17 @@ class Prefetch:
 
 
 class PrefetchWorkspace:
+    """The handles of `layers` (`handles`, in order), more added one at a time (`add`), sharing one side stream."""
+
     def __init__(self, layers: Sequence[PLELayer], max_tokens: int, device: torch.device | str):
-        device = torch.device(device)
-        side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.handles = [Prefetch(layer, max_tokens, side, device) for layer in layers]
+        self.max_tokens, self.device = max_tokens, torch.device(device)
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.handles: list[Prefetch] = []
+        for layer in layers:
+            self.add(layer)
+
+    def add(self, layer: PLELayer) -> Prefetch:
+        """A handle for one more layer (a vLLM decoder layer adds its own while it is built)."""
+        handle = Prefetch(layer, self.max_tokens, self.side, self.device)
+        self.handles.append(handle)
+        return handle

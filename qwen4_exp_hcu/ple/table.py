@@ -13,9 +13,10 @@ import torch
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
 from qwen4_exp_hcu.ple.formats import FORMATS, TableFormat, stored_as
-from qwen4_exp_hcu.ple.host_memory import SharedHost, huge_page_empty, pinned_empty
+from qwen4_exp_hcu.ple.host_memory import huge_page_empty, pinned_empty
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 
 def _source_format(weight: torch.Tensor, name: str) -> TableFormat:
@@ -41,34 +42,24 @@ def _validate_packed(fmt: TableFormat, packed: torch.Tensor, block_scale: torch.
 class PLETable:
     """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16.
 
-    `fmt` is the storage format (`format`, its `ple.formats` record): `bf16`, `int8` (+ one bf16 scale per row),
-    `fp8` (e4m3 + one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales + one fp32 scale). Rows
-    live on the accelerator or in host memory (`host`; on 2 MiB pages with `huge_pages`); per-row scales live
-    with them unless `scales_on_device` keeps them on the accelerator (one host read per row instead of two);
-    the one-number scale always lives on the accelerator."""
+    `storage.format` (`format` here is its `ple.formats` record, `fmt` its name): `bf16`, `int8` (+ one bf16
+    scale per row), `fp8` (e4m3 + one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales +
+    one fp32 scale). Rows live on the accelerator or in host memory (`storage.host`); per-row scales live with
+    them unless `storage.scales_on_device`; the one-number scale always lives on the accelerator. A checkpoint
+    shard holds `shard_rows` rows (default: all)."""
 
     # kernel settings measured on an H200 (benchmarks/bench_lookup.py; docs/PERFORMANCE.md)
     DEVICE_TUNING = dict(block_p=16, num_warps=4)
     HOST_TUNING = dict(block_p=8, num_warps=8, sort=True)
 
     def __init__(
-        self,
-        rows: int,
-        dim: int,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        fmt: str = "int8",
-        device: torch.device | str = "cpu",
-        host: bool = False,
+        self, rows: int, dim: int, storage: PLEStorage = PLEStorage(), *, start: int = 0, end: int | None = None,
         shard_rows: int | None = None,
-        shared: SharedHost | None = None,
-        huge_pages: bool = False,
-        scales_on_device: bool = False,
-    ):
+    ):  # fmt: skip
         end = rows if end is None else end
         if not 0 <= start <= end <= rows:
             raise ValueError(f"PLE table row range [{start}, {end}) is not inside the table's {rows} rows.")
+        fmt, host, shared = storage.format or "bf16", storage.host, storage.shared
         if fmt not in FORMATS:
             raise ValueError(f"PLE table format {fmt!r} is not one of {tuple(FORMATS)}.")
         self.format = spec = FORMATS[fmt]
@@ -77,7 +68,7 @@ class PLETable:
             raise ValueError(f"{fmt.upper()} PLE rows hold blocks of {block} values; the head dim {dim} is not a multiple.")
         self.rows, self.dim, self.start, self.end, self.fmt = rows, dim, start, end, fmt
         self.shard_rows = shard_rows or rows
-        self.compute_device = torch.device(device)
+        self.compute_device = torch.device(storage.device)
         pin = host and torch.cuda.is_available()
         if host and self.compute_device.type != "cpu" and not pin:
             raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
@@ -89,7 +80,7 @@ class PLETable:
         on_device = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=self.compute_device)  # noqa: E731
         if shared is not None:
             alloc = lambda shape, dtype, name: shared.empty(name, shape, dtype)  # noqa: E731
-        elif host and huge_pages:
+        elif host and storage.huge_pages:
             alloc = self._huge_page_alloc
         elif pin:
             alloc = lambda shape, dtype, name: pinned_empty(shape, dtype)  # noqa: E731
@@ -97,7 +88,7 @@ class PLETable:
             alloc = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=where)  # noqa: E731
         n = end - start
         self.weight = alloc(spec.weight_shape(n, dim), getattr(torch, spec.weight), "weight")
-        scale_alloc = on_device if scales_on_device else alloc
+        scale_alloc = on_device if storage.scales_on_device else alloc
         row_scale = spec.row_scale
         self.scale = None if row_scale is None else scale_alloc(row_scale.shape(n, dim), getattr(torch, row_scale.dtype), "scale")
         # one fp32 scale for the whole table (`set_table_scale`)
@@ -210,7 +201,7 @@ class PLETable:
             raise ValueError("a hot-row cache only helps a host-resident PLE table read by an accelerator.")
         if not self.format.hot_rows:
             raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.fmt}.")
-        self.hot = HotRows(self.weight, self.scale, self.start, self.end, slots, self.compute_device, observe)
+        self.hot = HotRows(self.weight, self.scale, self.start, slots, self.compute_device, observe)
         return self.hot
 
     # ---- lookup --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELaye
 from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, ple_layers
 from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.layer import PLELayer
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 
 def _transformers_layer(cfg, ple_index: int) -> Qwen4ExpTextPLELayer:
@@ -32,10 +33,10 @@ def ple_state_dict(cfg, ple_index: int = 1, quantized: bool = False, seed: int =
     return sd
 
 
-def make_pair(cfg, ple_index=1, quantized=False, seed=0, **kw):
+def make_pair(cfg, ple_index=1, quantized=False, seed=0, **storage):
     """(transformers layer in fp32, our layer) loaded from one `ple_state_dict`; transformers' table holds
     the rows our shards decode to (INT8: dequantized), so both compute the same function. Seeds the global
-    RNG with `seed` first, so the inputs callers draw from it after are reproducible."""
+    RNG with `seed` first, so the inputs callers draw from it after are reproducible. `storage`: `PLEStorage` fields."""
     torch.manual_seed(seed)
     sd = ple_state_dict(cfg, ple_index, quantized, seed)
     shards = [
@@ -45,5 +46,5 @@ def make_pair(cfg, ple_index=1, quantized=False, seed=0, **kw):
     ]  # fmt: skip
     hf = _transformers_layer(cfg, ple_index)
     hf.load_state_dict({k: v for k, v in sd.items() if not SHARD.search(k)} | {f"{TABLE}.weight": torch.cat(shards).float()})
-    ours = PLELayer.from_state_dict(cfg, ple_index, sd, table_format="int8" if quantized else "bf16", dtype=torch.float32, **kw)
+    ours = PLELayer.from_state_dict(cfg, ple_index, sd, storage=PLEStorage("int8" if quantized else "bf16", **storage), dtype=torch.float32)
     return hf, ours

@@ -31,6 +31,7 @@ from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+from qwen4_exp_hcu.ple.storage import PLEStorage
 
 NCCL_CAP = 16  # static token count of the graph = workspace capacity
 NCCL_B_STATIC = 4  # static request count; unused ones are padding requests (slot -1, no tokens)
@@ -50,8 +51,9 @@ REAL_HEADS, REAL_HEAD_DIM = 16, 128  # the releases' PLE head geometry, for the 
 def _build_gpu(cfg, sds, dev, group, across, replica=None):
     return [
         PLELayer.from_state_dict(
-            cfg, i, sd, table_format="int8" if q else "bf16", dtype=torch.float32, device=dev, host_table=True, etp_group=group, across_dp=across,
-            replica_group=replica,
+            cfg, i, sd, dtype=torch.float32, storage=PLEStorage(
+                "int8" if q else "bf16", dev, host=True, etp_group=group, across_dp=across, replica_group=replica
+            ),
         )
         for (i, q), sd in zip(NCCL_LAYERS, sds)
     ]
@@ -137,7 +139,7 @@ def _topology_case(w: NcclWorker, topo: Topology) -> dict:
     layers = _build_gpu(cfg, w.sds, dev, topo.group, topo.across_dp, topo.replica)
     assert all(l.table.weight.is_pinned() for l in layers), "tables must be in pinned host memory"
     ws = PrefetchWorkspace(layers, NCCL_CAP, dev)
-    at_scale = ETPLookup(1 << 20, REAL_HEAD_DIM, topo.group, topo.across_dp, topo.replica, device="meta")
+    at_scale = ETPLookup(1 << 20, REAL_HEAD_DIM, PLEStorage(device="meta", etp_group=topo.group, across_dp=topo.across_dp, replica_group=topo.replica))
     info = {"dp": topo.dp, "rows": [[l.table.start, l.table.end] for l in layers],
             "bytes_per_token": [l.etp.bytes_per_token(l.spec.num_heads) for l in layers],
             "bytes_per_token_real_geometry": at_scale.bytes_per_token(REAL_HEADS)}  # fmt: skip

@@ -1,0 +1,128 @@
+"""Where the PLE tables live, read once per model from vLLM's config: `EngramConfig`, the platform, the checkpoint's
+table declaration and the plugin settings become one `PLEStorage` (shared by every PLE layer of this rank), the
+hot-row cache settings and the prefetch workspace."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+
+from qwen4_exp_hcu.env import prefetch_enabled
+from qwen4_exp_hcu.names import ple_layers
+from qwen4_exp_hcu.ple.formats import FORMATS
+from qwen4_exp_hcu.ple.storage import PLEStorage
+from qwen4_exp_hcu.settings import WHERE, plugin_settings
+
+logger = init_logger(__name__)
+
+
+class PLEPlacement:
+    """Where the PLE tables live and how they are sharded (`storage`), the hot-row cache's (bytes per layer,
+    calibration tokens) (`hot_rows`), and the prefetch workspace every PLE block takes its handle from
+    (`prefetch`, None with `QWEN4_EXP_HCU_PREFETCH=0`)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        from vllm.distributed import get_etp_group, get_tp_group
+        from vllm.platforms import current_platform
+        from vllm.utils.platform_utils import is_uva_available
+
+        from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
+
+        engram = getattr(vllm_config, "engram_config", None)
+        # vLLM creates EngramConfig() (cpu_offload=True) for Qwen4ExpForCausalLM; keep that default for
+        # the alias architecture, for which vLLM leaves engram_config unset.
+        cpu_offload = True if engram is None else bool(engram.cpu_offload)
+        dp = vllm_config.parallel_config.data_parallel_size
+        across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
+        device = torch.device(vllm_config.device_config.device)
+        check_uva(cpu_offload, device, is_uva_available(), current_platform.device_name)
+        etp = get_etp_group()
+        storage = PLEStorage(
+            format=ple_table_format(vllm_config), device=device, host=cpu_offload,
+            etp_group=etp if etp.world_size > 1 else None, across_dp=across_dp,
+            replica_group=get_tp_group() if across_dp else None,  # the TP ranks of this DP replica: same tokens
+        )  # fmt: skip
+        # DP replicas hold the same TP-sharded tables: with dp_shared_memory, one host copy per node
+        share = engram is not None and engram.dp_shared_memory and dp > 1 and cpu_offload and not across_dp
+        shared = dp_shared_host(vllm_config, storage) if share else None
+        # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
+        huge_pages = engram is not None and bool(engram.use_thp) and cpu_offload and shared is None
+        self.storage = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages)
+        self.hot_rows = hot_rows_settings(vllm_config, self.storage)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.prefetch = PrefetchWorkspace([], max_tokens, device) if prefetch_enabled() else None
+
+
+def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
+    """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache, from the plugin
+    settings (`qwen4_exp_hcu.settings`, whose names and types vLLM's config hook already checked); here what
+    needs the storage and the calibration file."""
+    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
+
+    gib, calibration = plugin_settings(vllm_config.additional_config)
+    if not gib:
+        return 0, None
+    device = torch.device(storage.device)
+    if not storage.host or device.type == "cpu":
+        raise ValueError(
+            f"{WHERE}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
+            f"--engram-config.cpu_offload=True on an accelerator (here: cpu_offload={storage.host}, device {device})."
+        )
+    if not FORMATS[storage.format].hot_rows:
+        raise ValueError(f"{WHERE}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {storage.format}.")
+    config = vllm_config.model_config.hf_text_config
+    tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
+    return int(gib * 2**30) // len(ple_layers(config)), tokens
+
+
+def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
+    """Host-resident tables are read by accelerator kernels over UVA; without it, fail before loading."""
+    if cpu_offload and device.type != "cpu" and not uva_available:
+        raise ValueError(
+            f"--engram-config.cpu_offload=True keeps the PLE tables in pinned host memory, read over UVA, "
+            f"but UVA (pinned memory) is not available on {platform}. Pass --engram-config.cpu_offload=False "
+            "to keep the tables in accelerator memory."
+        )
+
+
+def dp_shared_host(vllm_config: VllmConfig, storage: PLEStorage):
+    """The DP group's shared host memory, or None (with a warning) when /dev/shm cannot hold the tables this
+    rank owns under `storage`; the group's first rank decides for all and names the run."""
+    import secrets
+    import shutil
+
+    from vllm.distributed import get_dp_group
+
+    from qwen4_exp_hcu.ple.etp import ETPLookup
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
+
+    config = vllm_config.model_config.hf_text_config
+    sizing = dataclasses.replace(storage, device="meta", host=False)
+    specs = [NgramHashSpec.from_config(config, index.ple) for index in ple_layers(config)]
+    need = sum(ETPLookup(s.rows, s.head_dim, sizing).table.nbytes for s in specs)
+    group = get_dp_group()
+    if group.rank_in_group == 0:
+        free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
+        decision = (f"qwen4hcu-{os.getpid()}-{secrets.token_hex(4)}", free, free >= need)
+    run, free, fits = group.broadcast_object(decision if group.rank_in_group == 0 else None, src=0)
+    if not fits:
+        logger.warning(
+            "--engram-config.dp_shared_memory: %s has %.2f GiB free, the PLE tables of a rank take %.2f GiB; "
+            "each DP replica keeps its own copy.", SHM_DIR, free / 2**30, need / 2**30,
+        )  # fmt: skip
+        return None
+    return SharedHost(group, run)
+
+
+def ple_table_format(vllm_config: VllmConfig) -> str:
+    """How the checkpoint declares its PLE tables (`ple.declaration`): INT8, FP8, NVFP4 or BF16."""
+    from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
+
+    config = vllm_config.model_config.hf_text_config
+    qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    return declared_table_format(config, qconfig, table_names(config))
