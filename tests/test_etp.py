@@ -19,6 +19,7 @@ Workers run every case inside one spawn per world size (process start + imports 
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from dataclasses import replace
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from helpers.configs import EOS, tiny_text_config
 from helpers.dist import CountingGroup, Topology, compare_steps, init_process_group, spawn_workers, write_result
+from helpers.faults import double_last_ranks_rows
 from helpers.layers import ple_state_dict
 from helpers.steps import schedule_step
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
@@ -181,9 +183,11 @@ def _rows_fewer_than_ranks(rank, world, failures):
     return ranges
 
 
-def _etp_worker(rank, world, tmp, weights_path):
+def _etp_worker(rank, world, tmp, weights_path, fault=False):
     torch.set_num_threads(1)  # 2-4 processes on 2 cores
     t0 = time.perf_counter()
+    if fault:
+        double_last_ranks_rows()
     init_process_group("gloo", rank, world, tmp)
     cfg, sds = tiny_text_config(), torch.load(weights_path)
     result = {"rank": rank, "failures": [], "cases": {}}
@@ -269,6 +273,17 @@ def test_etp_matches_single_process(world, weights, tmp_path):
     if world == 4:
         # the table each rank's ETPLookup built, with across_dp off and on
         assert [r["rows_fewer_than_ranks"] for r in results] == [[[0, 1]] * 2, [[1, 2]] * 2, [[2, 3]] * 2, [[3, 3]] * 2]
+
+
+def test_a_wrong_etp_combine_is_caught(weights, tmp_path):
+    """TP2 with rank 1's rows counted twice in the all-reduce: every run's bit-exact comparison must fail."""
+    results = spawn_workers(_etp_worker, 2, tmp_path / "run", str(weights), True)
+    failures = [f for r in results for f in r["failures"] if f.startswith("tp2 ") and " output differs " in f]
+    diffs = [float(re.search(r"max\|diff\| (\S+)\)", f).group(1)) for f in failures]
+    print(f"ETP-FAULT tp2: {len(failures)} outputs differ, max|diff| up to {max(diffs, default=0):.3g} (tolerance: equal)")
+    assert {f.split(": ")[0] for f in failures} == {
+        f"tp2 rank {r} prefetch={p} max_tokens={m}" for r in (0, 1) for p in ("off", "on") for m in MT_MODES
+    }
 
 
 class FakeGroup:

@@ -176,3 +176,17 @@ def test_gpu_hot_rows_from_calibration_change_nothing_but_where_rows_are_read():
     assert torch.equal(gpu.lookup(batch, state), plain)
     with pytest.raises(ValueError, match="cannot hold the row map"):
         gpu.enable_hot_rows(16)
+
+
+def test_a_wrong_int8_row_scale_is_caught():
+    """INT8 row scales 1% too large (a wrong table scale): the comparison with transformers must fail."""
+    cfg = tiny_text_config(ngram_size=3)
+    hf, ours = make_pair(cfg, quantized=True)
+    ours.table.scale.mul_(1.01)
+    prompt = torch.tensor([5, 6, EOS, 8, 9, 10, 11])
+    hs = torch.randn(len(prompt), cfg.hidden_size * cfg.hc_count)
+    with torch.no_grad():
+        want = hf(hs[None], prompt[None], DynamicCache(config=cfg))[0]
+    err = (run(ours, hs, prompt, [len(prompt)], [2], empty_state(ours, 4), [False]) - want).abs().max().item()
+    print(f"SCALE-FAULT max|diff| {err:.3g} vs atol {ATOL}")
+    assert err > ATOL

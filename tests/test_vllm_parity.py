@@ -18,6 +18,7 @@ import torch
 
 from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, make_tiny_int8_checkpoint, reference_greedy
+from helpers.faults import break_state_carry
 from helpers.scenarios import (
     EOS,
     LOGPROB_MAX_TOL,
@@ -158,3 +159,21 @@ def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_
         assert {t["dtype"] for t in tables} == {"int8"}
     finally:
         stop_engine(llm)
+
+
+def test_ple_state_not_carried_between_steps_is_caught(bf16_checkpoint, bf16_reference, monkeypatch):
+    """An engine whose PLE layers start every chunk and decode step from a fresh state (n-gram context and
+    conv window dropped) must fail the logprob comparison: the tolerance is sensitive to the state carry."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
+    break_state_carry(monkeypatch.setattr)
+    llm = start_engine(bf16_checkpoint)
+    try:
+        outputs = generate(llm, PROMPTS)
+    finally:
+        stop_engine(llm)
+    errors = torch.cat([
+        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        for out, ref in zip(outputs, bf16_reference, strict=True)
+    ])  # fmt: skip
+    print(f"STATE-FAULT logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {LOGPROB_MEAN_TOL}, {LOGPROB_MAX_TOL})")
+    assert not (errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL)

@@ -42,23 +42,6 @@ def engine_kwargs(mode: str) -> dict:
     return kwargs
 
 
-def break_state_carry() -> None:
-    """Test-only fault: every step starts from a fresh PLE state (EOS n-gram context, zero conv window)."""
-    import dataclasses
-
-    import torch
-
-    from qwen4_exp_hcu.model import ple
-
-    pack = ple.pack
-
-    def fresh_every_step(metadata, input_ids):
-        batch = pack(metadata, input_ids)
-        return dataclasses.replace(batch, has_initial_state=torch.zeros_like(batch.has_initial_state))
-
-    ple.pack = fresh_every_step
-
-
 def top_logprobs(output) -> list[list[list[float]]]:
     return [[[tok, lp.logprob] for tok, lp in step.items()] for step in output.logprobs]
 
@@ -78,6 +61,8 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
     if args.fault:
+        from helpers.faults import break_state_carry
+
         break_state_carry()
     if args.mode == "hot_rows":
         from qwen4_exp_hcu.ple import hot_rows

@@ -1,0 +1,33 @@
+"""Test-only faults the parity comparisons must catch, shared by the CPU tests and the GPU worker. Each takes
+`patch` (`setattr`, or pytest's `monkeypatch.setattr` to undo it after the test)."""
+
+import dataclasses
+
+
+def break_state_carry(patch=setattr) -> None:
+    """Every step starts from a fresh PLE state (EOS n-gram context, zero conv window): nothing is carried
+    between chunks or decode steps."""
+    import torch
+
+    from qwen4_exp_hcu.model import ple
+
+    pack = ple.pack
+
+    def fresh_every_step(metadata, input_ids):
+        batch = pack(metadata, input_ids)
+        return dataclasses.replace(batch, has_initial_state=torch.zeros_like(batch.has_initial_state))
+
+    patch(ple, "pack", fresh_every_step)
+
+
+def double_last_ranks_rows(patch=setattr) -> None:
+    """The ETP combine counts the rows the last rank of each group owns twice (its lookup doubled before the
+    all-reduce, which gloo's reduce-scatter runs too)."""
+    from qwen4_exp_hcu.ple.etp import TorchGroup
+
+    all_reduce = TorchGroup.all_reduce
+
+    def doubled(self, x):
+        return all_reduce(self, x * 2 if self.rank_in_group == self.world_size - 1 else x)
+
+    patch(TorchGroup, "all_reduce", doubled)
