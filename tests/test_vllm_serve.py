@@ -23,7 +23,7 @@ import requests
 import torch
 
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
-from helpers.scenarios import GPU_ENGINE
+from helpers.scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL
 
 pytestmark = pytest.mark.vllm
 
@@ -153,7 +153,8 @@ def test_completion_with_prompt_token_ids_matches_transformers(reference, server
             for step, top in enumerate(choice.logprobs.top_logprobs)
             for token, logprob in top.items()
         ]
-        assert max(errors) < 0.3 and sum(errors) / len(errors) < 0.03, (max(errors), sum(errors) / len(errors))
+        mean = sum(errors) / len(errors)
+        assert max(errors) < LOGPROB_MAX_TOL and mean < LOGPROB_MEAN_TOL, (max(errors), mean)
 
 
 def test_server_models_endpoint(server):
