@@ -6,7 +6,7 @@
 #   device, call 1:       carry [".dsla"]  bash tests/gpu_cute_dsl.sh stash
 #   device, call 2:       carry [".dslb"]  bash tests/gpu_cute_dsl.sh stash
 #   device, later calls:  source tests/gpu_cute_dsl.sh install   (joins, installs into /tmp/dsl-site, exports PYTHONPATH)
-set -eo pipefail
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && set -eo pipefail  # not when sourced: it would leak into the caller
 V=4.8.1
 case "${1:-}" in
 fetch)

@@ -3,6 +3,10 @@
 real deployments have vLLM's compiled ops. Each is capture-safe (no host syncs) and writes into its outputs.
 """
 
+import importlib.util
+import sys
+import types
+
 import torch
 
 
@@ -32,8 +36,122 @@ def silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub=None, is_s
     scales.copy_(scale)
 
 
+def _fp8(x, scale, out):
+    """x / scale clamped to the range of `out`'s FP8 dtype, written into `out`."""
+    fp8_max = torch.finfo(out.dtype).max
+    out.copy_((x.float() / scale).clamp(-fp8_max, fp8_max).to(out.dtype))
+
+
+def _rms(x, weight, eps):
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+# vLLM's torch.compile fusion passes (matcher_utils, rms_quant_fusion, act_quant_fusion, qk_norm_rope_fusion)
+# name the ops below at import, so every torch.compile mode needs them to exist; they run only when a
+# fusion matches an FP8 model. Signatures follow vllm/_custom_ops.py and the passes' keyword calls.
+def static_scaled_fp8_quant(out, input, scale, group_shape=None):
+    """Per-tensor (or per-group, broadcast) static FP8 quantization."""
+    _fp8(input, scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float(), out)
+
+
+def dynamic_scaled_fp8_quant(out, input, scale):
+    """Per-tensor dynamic FP8: scale = amax / fp8_max, written into `scale` (one element)."""
+    scale.copy_((input.float().abs().amax() / torch.finfo(out.dtype).max).clamp_min(1e-12).reshape(scale.shape))
+    _fp8(input, scale.float(), out)
+
+
+def dynamic_per_token_scaled_fp8_quant(out, input, scale, scale_ub=None):
+    """Per-token dynamic FP8: one scale per row ([tokens, 1]), capped by `scale_ub` when given."""
+    s = input.float().abs().amax(-1, keepdim=True) / torch.finfo(out.dtype).max
+    if scale_ub is not None:
+        s = torch.minimum(s, scale_ub.float())
+    scale.copy_(s.clamp_min(1e-12).reshape(scale.shape))
+    _fp8(input, scale.float().reshape(s.shape), out)
+
+
+def silu_and_mul_quant(result, input, scale):
+    """silu(gate) * up of `input` = [gate || up], then static FP8."""
+    gate, up = input.float().chunk(2, dim=-1)
+    _fp8(torch.nn.functional.silu(gate) * up, scale.float(), result)
+
+
+def rms_norm_static_fp8_quant(result, input, weight, scale, epsilon):
+    _fp8(_rms(input, weight, epsilon).to(input.dtype), scale.float(), result)
+
+
+def fused_add_rms_norm_static_fp8_quant(result, input, residual, weight, scale, epsilon):
+    """residual += input; result = FP8(rms_norm(residual)) (the C++ op's in-place contract)."""
+    residual.add_(input)
+    _fp8(_rms(residual, weight, epsilon).to(input.dtype), scale.float(), result)
+
+
+def rms_norm_dynamic_per_token_quant(result, input, weight, scale, epsilon, scale_ub=None, residual=None):
+    if residual is not None:
+        residual.add_(input)
+        input = residual
+    dynamic_per_token_scaled_fp8_quant(result, _rms(input, weight, epsilon).to(input.dtype), scale, scale_ub)
+
+
+def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
+                       cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp=-1):  # fmt: skip
+    """In place on `qkv` = [q || k || v]: per-head RMS norm of q and k, then rotary embedding at
+    `position_ids` (cos_sin_cache rows = [cos || sin] over the rotary half-dimension)."""
+    q_end, k_end = num_heads_q * head_dim, (num_heads_q + num_heads_k) * head_dim
+    cos, sin = cos_sin_cache[position_ids].float().chunk(2, dim=-1)
+    for lo, hi, w in ((0, q_end, q_weight), (q_end, k_end, k_weight)):
+        x = _rms(qkv[:, lo:hi].unflatten(-1, (-1, head_dim)), w, eps)
+        rot = 2 * cos.shape[-1]
+        r, rest = x[..., :rot], x[..., rot:]
+        if is_neox:
+            x1, x2 = r.chunk(2, dim=-1)
+        else:
+            x1, x2 = r[..., ::2], r[..., 1::2]
+        c, s = cos[:, None, :], sin[:, None, :]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        r = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+        qkv[:, lo:hi].copy_(torch.cat((r, rest), -1).flatten(-2).to(qkv.dtype))
+
+
+def persistent_topk(logits, lengths, indices, workspace, k, max_len):
+    """Top-k column indices of each row among its first `lengths[row]` columns, -1 past a row's length (the
+    contract of vLLM's indexer top-k kernels; its torch reference backend does the same). vLLM 0.33's own
+    Qwen4Exp class selects QSA blocks with it."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    ends = lengths.reshape(-1, 1)
+    kk = min(k, logits.shape[1])
+    top = logits.float().masked_fill(cols >= ends, float("-inf")).topk(kk, dim=-1).indices
+    top = torch.where(torch.arange(kk, device=logits.device) < ends, top, -1)
+    indices.fill_(-1)
+    indices[:, :kk].copy_(top)
+
+
 C_OPS = {
     "per_token_group_fp8_quant": per_token_group_fp8_quant,
     "silu_and_mul_per_block_quant": silu_and_mul_per_block_quant,
+    "static_scaled_fp8_quant": static_scaled_fp8_quant,
+    "dynamic_scaled_fp8_quant": dynamic_scaled_fp8_quant,
+    "dynamic_per_token_scaled_fp8_quant": dynamic_per_token_scaled_fp8_quant,
+    "silu_and_mul_quant": silu_and_mul_quant,
+    "rms_norm_static_fp8_quant": rms_norm_static_fp8_quant,
+    "fused_add_rms_norm_static_fp8_quant": fused_add_rms_norm_static_fp8_quant,
+    "rms_norm_dynamic_per_token_quant": rms_norm_dynamic_per_token_quant,
+    "fused_qk_norm_rope": fused_qk_norm_rope,
+    "persistent_topk": persistent_topk,
+    "cooperative_topk": persistent_topk,
 }
 MOE_OPS = {}
+
+
+def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """FlashInfer's Gemma RMS norm, x / rms(x) * (1 + weight): vLLM 0.33's own Qwen4Exp class calls it in its QSA
+    indexer's unfused path (`from flashinfer.norm import gemma_rmsnorm`)."""
+    y = _rms(input, 1 + weight.float(), eps).to(input.dtype)
+    return y if out is None else out.copy_(y)
+
+
+# Only the submodule is registered: `from flashinfer.norm import ...` resolves from sys.modules, while
+# `flashinfer` itself stays absent, so vLLM's has_flashinfer() keeps choosing its non-FlashInfer paths.
+if importlib.util.find_spec("flashinfer") is None:
+    sys.modules.setdefault("flashinfer.norm", types.ModuleType("flashinfer.norm"))
+    sys.modules["flashinfer.norm"].gemma_rmsnorm = gemma_rmsnorm
