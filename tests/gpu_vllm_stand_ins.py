@@ -126,6 +126,18 @@ def persistent_topk(logits, lengths, indices, workspace, k, max_len):
     indices[:, :kk].copy_(top)
 
 
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """Write each token's K/V into the paged cache ([blocks, block_size, heads, head_dim]) at its slot. Padding
+    tokens (slot -1) are sent to slot 0, in vLLM's null block, which no request reads; no host sync."""
+    if kv_cache_dtype not in ("auto", "bfloat16"):
+        raise NotImplementedError(f"reshape_and_cache_flash stand-in: kv_cache_dtype {kv_cache_dtype!r}")
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.clamp_min(0).long()
+    at = (slots // key_cache.shape[1], slots % key_cache.shape[1])  # the caches may be strided views of one tensor
+    for src, cache in ((key[:n], key_cache), (value[:n], value_cache)):
+        cache.index_put_(at, src.to(cache.dtype))
+
+
 C_OPS = {
     "per_token_group_fp8_quant": per_token_group_fp8_quant,
     "silu_and_mul_per_block_quant": silu_and_mul_per_block_quant,
@@ -149,6 +161,12 @@ def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
     y = _rms(input, 1 + weight.float(), eps).to(input.dtype)
     return y if out is None else out.copy_(y)
 
+
+# The shim installs `_C` / `_moe_C` only; vLLM's cache ops live in `_C_cache_ops` (vLLM's own class writes its
+# FlashAttention KV cache with it).
+if not hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+    reshape_and_cache_flash.default = reshape_and_cache_flash
+    torch.ops._C_cache_ops.reshape_and_cache_flash = reshape_and_cache_flash
 
 # Only the submodule is registered: `from flashinfer.norm import ...` resolves from sys.modules, while
 # `flashinfer` itself stays absent, so vLLM's has_flashinfer() keeps choosing its non-FlashInfer paths.
