@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from qwen4_exp_hcu.names import ple_layers
+from qwen4_exp_hcu.names import TEXT_PREFIXES, ple_layers
 from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -41,11 +41,12 @@ def load_ple_layer(
     if storage.format is None:
         storage = dataclasses.replace(storage, format=stored)
     layer = PLELayer(cfg, index.ple, storage, dtype)
-    prefix = index.prefix
+    # text-only (`model.layers.`) or multimodal, as the releases are (`model.language_model.layers.`)
+    prefixes = [p + index.prefix.removeprefix("model.") for p in TEXT_PREFIXES]
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.startswith(prefix):
+                if prefix := next((p for p in prefixes if name.startswith(p)), None):
                     layer.load_weight(name[len(prefix) :], f.get_tensor(name), prefix)
-    layer.finish_loading(prefix)
+    layer.finish_loading(index.prefix)
     return layer

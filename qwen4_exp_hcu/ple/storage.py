@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from qwen4_exp_hcu.ple.etp import Group
+    from qwen4_exp_hcu.ple.file_rows import FileTier
     from qwen4_exp_hcu.ple.host_memory import SharedHost
 
 
@@ -34,6 +35,7 @@ class PLEStorage:
     etp_group: Group | None = None  # the ranks that split the rows (`ple.etp`); None: the whole table
     across_dp: bool = False  # the ETP group's ranks hold different tokens (rows over TP x DP)
     replica_group: Group | None = None  # across DP: the ranks of this rank's DP replica (they hold the same tokens)
+    file_tier: FileTier | None = None  # rows beyond a host budget stay in the checkpoint's files (`ple.file_rows`)
 
     def owned_rows(self, rows: int) -> tuple[int, int]:
         """This rank's `[start, end)` of a table of `rows` rows."""

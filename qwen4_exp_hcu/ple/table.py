@@ -12,6 +12,7 @@ import torch
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
+from qwen4_exp_hcu.ple.file_rows import FileRows, resident_slots
 from qwen4_exp_hcu.ple.formats import FORMATS, TableFormat, stored_as
 from qwen4_exp_hcu.ple.host_memory import huge_page_empty, pinned_empty
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -87,10 +88,33 @@ class PLETable:
         else:
             alloc = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=where)  # noqa: E731
         n = end - start
-        self.weight = alloc(spec.weight_shape(n, dim), getattr(torch, spec.weight), "weight")
-        scale_alloc = on_device if storage.scales_on_device else alloc
+        self.file_rows: FileRows | None = None  # rows beyond host RAM stay in the checkpoint's files (`ple.file_rows`)
+        tier = storage.file_tier
+        if tier is not None and (shared is not None or storage.scales_on_device or storage.huge_pages):
+            raise ValueError("PLE rows from files keep their resident rows in private 4 KiB host pages with their scales.")
         row_scale = spec.row_scale
-        self.scale = None if row_scale is None else scale_alloc(row_scale.shape(n, dim), getattr(torch, row_scale.dtype), "scale")
+        scale_alloc = on_device if storage.scales_on_device else alloc
+
+        def allocate(rows: int) -> None:
+            self.weight = alloc(spec.weight_shape(rows, dim), getattr(torch, spec.weight), "weight")
+            self.scale = None if row_scale is None else scale_alloc(row_scale.shape(rows, dim), getattr(torch, row_scale.dtype), "scale")
+
+        if tier is None:
+            allocate(n)
+        else:
+            weight_bytes = spec.weight_shape(1, dim)[1] * getattr(torch, spec.weight).itemsize
+            scale_bytes = row_scale.shape(1, dim)[1] * getattr(torch, row_scale.dtype).itemsize if row_scale else 0
+            slots = resident_slots(tier.resident_bytes, n, weight_bytes + scale_bytes)
+            allocate(slots + tier.staging_rows)
+
+            def grow(rows: int) -> dict[str, torch.Tensor]:
+                old = self._parts()
+                allocate(rows)
+                for part, t in self._parts().items():
+                    t[:slots].copy_(old[part][:slots])
+                return self._parts()
+
+            self.file_rows = FileRows(tier, start, n, self.shard_rows, slots, self._parts(), grow)
         # one fp32 scale for the whole table (`set_table_scale`)
         self._scale_name: str | None = None
         self.tensor_scale = (
@@ -98,6 +122,10 @@ class PLETable:
         )
         self._loaded: set[int] = set()
         self.hot: HotRows | None = None  # GPU cache of the most used rows (`enable_hot_rows`)
+
+    def _parts(self) -> dict[str, torch.Tensor]:
+        """The per-row buffers by checkpoint part."""
+        return {"weight": self.weight} | ({"weight_scale": self.scale} if self.scale is not None else {})
 
     def _huge_page_alloc(self, shape, dtype, name) -> torch.Tensor:
         tensor, self.pages = huge_page_empty(shape, dtype, f"PLE table rows [{self.start}, {self.end}) {name}")
@@ -118,6 +146,7 @@ class PLETable:
         if self.scale is not None and self.scale.device != self.weight.device:
             where += f", scales on {self.scale.device}"
         hot = "" if self.hot is None else f"; {self.hot.describe()}"
+        hot += "" if self.file_rows is None else f"; {self.file_rows.describe()}"
         return f"rows [{self.start}, {self.end}) x {self.dim} {self.format.label} in {where}: {self.nbytes / 2**20:.2f} MiB{hot}"
 
     # ---- loading -------------------------------------------------------------------------------
@@ -155,7 +184,12 @@ class PLETable:
         elif source.row_scale is not None:
             _validate_packed(source, weight, scale, n, self.dim, name)
         a, b = max(lo, self.start), min(hi, self.end)
-        if a < b and (self.shared is None or self.shared.writer):  # a shared table is filled once
+        if self.file_rows is not None:  # the rows stay in the file; lookups read them there
+            if src != self.fmt:
+                raise ValueError(f"{name}: PLE rows from files are read as stored ({src}), but the table is {self.fmt}.")
+            if a < b:
+                self.file_rows.add_shard(j, {part: f"{name}{part.removeprefix('weight')}" for part in self._parts()})
+        elif a < b and (self.shared is None or self.shared.writer):  # a shared table is filled once
             w = weight[a - lo : b - lo]
             s = None if scale is None else scale[a - lo : b - lo]
             dst = slice(a - self.start, b - self.start)
@@ -199,6 +233,8 @@ class PLETable:
         `observe`, refreshed from the rows this table's lookups read (see `ple.hot_rows`)."""
         if self.weight.device == self.compute_device:
             raise ValueError("a hot-row cache only helps a host-resident PLE table read by an accelerator.")
+        if self.file_rows is not None:
+            raise ValueError("the GPU hot-row cache and PLE rows from files do not combine yet; choose one.")
         if not self.format.hot_rows:
             raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.fmt}.")
         self.hot = HotRows(self.weight, self.scale, self.start, slots, self.compute_device, observe)
@@ -215,14 +251,19 @@ class PLETable:
                 f"lookup out must be a contiguous bf16 {shape} tensor on {ids.device}, got "
                 f"{out.dtype} {tuple(out.shape)} on {out.device}."
             )
-        # the kernel takes the row scales (+ the table scale), or a table scale alone in their place
-        scale, global_scale = (self.scale, self.tensor_scale) if self.scale is not None else (self.tensor_scale, None)
-        tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
-        cache = None
+        cache, start = None, self.start
         if self.hot is not None:  # only on an accelerator (`enable_hot_rows`)
             self.hot.observe(ids)
             cache = self.hot.tensors
-        return dispatch(
-            gather_dequant, gather_dequant_reference, ids.contiguous(), self.weight, scale, self.start, out=out,
+        if self.file_rows is not None:  # host sync: never captured (the placement rejects full CUDA graphs)
+            ids, start = self.file_rows.stage(ids), 0
+        # the kernel takes the row scales (+ the table scale), or a table scale alone in their place
+        scale, global_scale = (self.scale, self.tensor_scale) if self.scale is not None else (self.tensor_scale, None)
+        tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
+        out = dispatch(
+            gather_dequant, gather_dequant_reference, ids.contiguous(), self.weight, scale, start, out=out,
             global_scale=global_scale, options=dict(cache=cache, **tuning),
         )
+        if self.file_rows is not None:
+            self.file_rows.lookup_done(self.compute_device)
+        return out

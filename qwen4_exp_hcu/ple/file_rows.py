@@ -1,0 +1,233 @@
+"""PLE rows beyond host RAM: a table whose rows stay in the checkpoint's safetensors files (memory-mapped, never
+read whole), with the most-read rows resident in host memory (pinned on an accelerator).
+
+The read path is a host gather: each lookup brings its ids to the host, copies the rows that are not
+resident from the mapped files into a staging area, and hands the lookup kernel remapped ids over one
+buffer that holds the resident rows followed by the staging area. The bytes are the checkpoint's, so lookups
+are exact. Accelerators that read pageable host memory directly could skip the staging copy, but the H200
+this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
+takes the host gather. It makes a host sync per lookup: it cannot be captured in a CUDA graph, so it runs
+where vLLM runs the PLE ops eagerly (breakable CUDA graphs, piecewise graphs, eager), never in full graphs.
+
+Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
+counted rows become resident and counts halve) or calibration ids (`fill`), as the GPU hot-row cache does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REFRESH_EVERY = 256  # lookups between promotions of the most read rows
+
+# safetensors dtype codes -> bytes per element (the rows are moved as bytes)
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    path: Path
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    offset: int  # of the first byte in the file
+
+    def rows(self) -> np.memmap:
+        """[rows, bytes per row] read-only view of the file."""
+        row_bytes = _ITEMSIZE[self.dtype] * int(np.prod(self.shape[1:], dtype=np.int64))
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.shape[0], row_bytes))
+
+
+class CheckpointFiles:
+    """Where every tensor of a checkpoint directory's safetensors files lies: file, dtype, shape, byte offset.
+    The safetensors format is an 8-byte little-endian header length, a JSON header, then the data; the
+    safetensors library reads tensors but does not expose their offsets, which a row gather needs. A file the
+    index names that is missing, or a file shorter than its header says, is an error naming it."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = directory = Path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [directory / n for n in names]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"PLE rows from files: {missing[0]} (named by {index}) does not exist.")
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"PLE rows from files: no safetensors files in {directory}.")
+        self.tensors: dict[str, TensorLocation] = {}
+        for f in files:
+            self.tensors.update(_read_header(f))
+
+    def find(self, name: str) -> TensorLocation:
+        """The tensor `name`, matched from its `layers.` part on (vLLM and the checkpoint prefix models differently)."""
+        key = name[name.index("layers.") :] if "layers." in name else name
+        hits = [loc for n, loc in self.tensors.items() if n.endswith(key)]
+        if len(hits) != 1:
+            raise ValueError(f"PLE rows from files: {name} is {'not' if not hits else 'more than once'} in the safetensors files of {self.directory}.")
+        return hits[0]
+
+
+def _read_header(path: Path) -> dict[str, TensorLocation]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"PLE rows from files: {path} is truncated (no safetensors header).")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ValueError(f"PLE rows from files: {path} is truncated (header of {n} bytes, file of {size}).")
+        header = json.loads(f.read(n))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if 8 + n + end > size:
+            raise ValueError(f"PLE rows from files: {path} is truncated: {name} ends at byte {8 + n + end}, the file has {size}.")
+        out[name] = TensorLocation(path, info["dtype"], tuple(info["shape"]), 8 + n + begin)
+    return out
+
+
+@dataclass(frozen=True)
+class FileTier:
+    """The opt-in file tier of `PLEStorage`: the checkpoint's files and the host bytes per table for resident
+    rows (`host_table_gib` over the PLE layers)."""
+
+    files: CheckpointFiles
+    resident_bytes: int
+    refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
+    staging_rows: int = 4096  # rows read per lookup before the staging area grows
+
+
+class FileRows:
+    """Owned rows `[start, start + n)` of a table whose per-row parts (`weight`, and `scale` when per row) are
+    the buffers the table allocated: `slots` resident rows, then the staging area."""
+
+    def __init__(self, tier: FileTier, start: int, n: int, shard_rows: int, slots: int, buffers: dict[str, torch.Tensor],
+                 grow) -> None:  # fmt: skip
+        self.tier, self.start, self.n, self.shard_rows, self.slots = tier, start, n, shard_rows, slots
+        self.buffers, self._grow = buffers, grow  # grow(rows) -> new buffers with room for `rows` rows
+        self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
+        self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
+        self.slot_row = np.full(slots, -1, dtype=np.int64)
+        self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
+        self._lookups, self._done = 0, None
+        self.refreshes, self.share = 0, 0.0
+
+    @property
+    def staging(self) -> int:
+        return next(iter(self.buffers.values())).shape[0] - self.slots
+
+    def add_shard(self, j: int, parts: dict[str, str]) -> None:
+        """Map checkpoint shard `j`'s per-row tensors (`part -> tensor name`); shapes must fit the table."""
+        for part, name in parts.items():
+            mm = self.tier.files.find(name).rows()
+            want = self.buffers[part][0].nbytes
+            if mm.shape[1] != want:
+                raise ValueError(f"{name}: {mm.shape[1]} bytes per row in the file, the table stores {want}.")
+            self.files.setdefault(j, {})[part] = mm
+
+    def _read(self, rows: np.ndarray, at: int) -> None:
+        """Copy owned rows (sorted) from the files into buffer rows `at...`."""
+        glob = rows + self.start
+        shard = glob // self.shard_rows
+        bounds = np.flatnonzero(np.diff(shard)) + 1
+        for seg in np.split(np.arange(rows.size), bounds):
+            if not seg.size:
+                continue
+            j = int(shard[seg[0]])
+            for part, mm in self.files[j].items():
+                dst = self.buffers[part].view(torch.uint8).view(self.buffers[part].shape[0], -1).numpy()
+                np.take(mm, glob[seg] - j * self.shard_rows, axis=0, out=dst[at + seg[0] : at + seg[-1] + 1])
+
+    def _wait(self) -> None:
+        """Buffers are rewritten only after the last lookup kernel that reads them has finished."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    def lookup_done(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def stage(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] global row ids -> ids into the buffers (resident slot or staging row; -1 where not owned),
+        with the missing rows read from the files into staging."""
+        self._wait()
+        local = ids.to("cpu", torch.int64).numpy() - self.start
+        owned = (local >= 0) & (local < self.n)
+        if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
+            np.add.at(self.counts, local[owned], 1)
+            self._lookups += 1
+            if self._lookups >= self.tier.refresh_every:
+                self._lookups = 0
+                self.promote(self.counts)
+                self.counts >>= 1
+        slot = np.full(local.shape, -1, dtype=np.int64)
+        slot[owned] = self.slot_of[local[owned]]
+        miss = owned & (slot < 0)
+        rows, inverse = np.unique(local[miss], return_inverse=True)
+        if rows.size > self.staging:
+            self.buffers = self._grow(self.slots + max(rows.size, 2 * self.staging))
+        self._read(rows, self.slots)
+        slot[miss] = self.slots + inverse.reshape(-1)
+        return torch.from_numpy(slot).to(ids.device)
+
+    def fill(self, ids: torch.Tensor) -> float:
+        """Make the rows most frequent in a calibration id stream resident; the share of its owned lookups they serve."""
+        local = ids.reshape(-1).to("cpu", torch.int64).numpy() - self.start
+        return self.promote(np.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
+
+    def promote(self, counts: np.ndarray) -> float:
+        """The `slots` most counted rows become resident (rows that stay keep their slot)."""
+        self._wait()
+        k = min(self.slots, int(np.count_nonzero(counts)))
+        top = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
+        hot = np.zeros(self.n, dtype=bool)
+        hot[top] = True
+        cached = self.slot_row >= 0
+        keep = cached & hot[np.maximum(self.slot_row, 0)]
+        self.slot_of[self.slot_row[cached & ~keep]] = -1
+        self.slot_row[~keep] = -1
+        newcomers = np.sort(top[self.slot_of[top] < 0])
+        free = np.flatnonzero(~keep)[: newcomers.size]
+        self._read_into_slots(newcomers, free)
+        self.slot_of[newcomers] = free
+        self.slot_row[free] = newcomers
+        self.refreshes += 1
+        self.share = float(counts[top].sum() / max(int(counts.sum()), 1))
+        return self.share
+
+    def _read_into_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Rows (sorted) into resident `slots` (any order): read into staging, then placed."""
+        if rows.size > self.staging:
+            self.buffers = self._grow(self.slots + rows.size)
+        self._read(rows, self.slots)
+        for t in self.buffers.values():
+            t[torch.from_numpy(slots)] = t[self.slots : self.slots + rows.size].clone()
+
+    def describe(self) -> str:
+        return f"{int((self.slot_row >= 0).sum())}/{self.slots} rows resident ({self.refreshes} promotions, last served {self.share:.0%}), the rest read from {self.tier.files.directory}"
+
+
+def resident_slots(resident_bytes: int, rows: int, row_bytes: int) -> int:
+    """Rows a table keeps resident in `resident_bytes` (at most all of them)."""
+    return max(0, min(rows, resident_bytes // row_bytes))
+
+
+def drop_page_cache(path: str | Path) -> None:
+    """Ask the kernel to forget a file's cached pages (cold-start measurements)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,129 @@
+"""PLE rows read from the checkpoint's files (`qwen4_exp_hcu.ple.file_rows`): every budget of resident rows
+looks up exactly what the whole table in host memory looks up, on checkpoints from our writer and on the
+census-built release layouts (BF16, FP8, NVFP4); missing and truncated files fail at load, naming the file."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers.releases import write_release
+
+from qwen4_exp_hcu.names import ple_layers
+from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
+from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.storage import PLEStorage
+
+BUDGETS = (1.0, 0.5, 0.2, 0.05, 0.0)  # share of the table's bytes kept resident
+
+
+class _Rank:
+    """An ETP group seen from one rank: enough for the owned row range."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank_in_group, self.world_size = rank, world
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny):
+    root = tmp_path_factory.mktemp("releases")
+    return {"int8": tiny["int8"], **{r: write_release(root / r, r) for r in ("bf16", "fp8", "nvfp4")}}
+
+
+def _layer_id(path) -> int:
+    return ple_layers(text_config_of(path))[-1].layer_id
+
+
+def _ids(table, n_tokens: int, seed: int) -> torch.Tensor:
+    """Row ids of `n_tokens` tokens x 4 heads: skewed (a few rows read often, as n-grams of text are), some not
+    owned by the rank (-1, beyond the range) so zeros are checked too."""
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randint(0, table.rows, (8,), generator=g)
+    ids = torch.where(torch.rand(n_tokens, 4, generator=g) < 0.6, hot[torch.randint(0, 8, (n_tokens, 4), generator=g)],
+                      torch.randint(0, table.rows, (n_tokens, 4), generator=g))  # fmt: skip
+    ids[0, 0] = -1
+    return ids
+
+
+def _tier(path, table, share: float, refresh_every: int = 0) -> FileTier:
+    return FileTier(CheckpointFiles(path), int(share * table.nbytes), refresh_every=refresh_every, staging_rows=16)
+
+
+@pytest.mark.parametrize("release", ["int8", "bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("rank", [None, 1], ids=["whole", "rank1of3"])
+def test_every_budget_looks_up_what_the_host_table_does(checkpoints, release, rank):
+    """Resident rows from calibration ids, then from traffic (promotions every 2 lookups): bit-exact at every
+    budget, also for an ETP rank whose row range starts inside a checkpoint shard."""
+    path = checkpoints[release]
+    storage = PLEStorage(host=True, etp_group=None if rank is None else _Rank(rank, 3))
+    whole = load_ple_layer(path, _layer_id(path), storage).table
+    assert 0 < whole.start or rank is None
+    for share in BUDGETS:
+        for refresh_every in (0, 2):
+            tiered = dataclasses.replace(storage, file_tier=_tier(path, whole, share, refresh_every))
+            table = load_ple_layer(path, _layer_id(path), tiered).table
+            rows = table.file_rows
+            assert rows.slots == min(int(share * whole.nbytes) // (whole.nbytes // (whole.end - whole.start)), whole.end - whole.start)
+            if not refresh_every:
+                rows.fill(_ids(table, 64, seed=0))
+            for step in range(5):
+                ids = _ids(table, 3 + 7 * step, seed=step)
+                assert torch.equal(table.lookup(ids), whole.lookup(ids)), (release, share, refresh_every, step)
+            if refresh_every and rows.slots:
+                assert rows.refreshes == 2 and (rows.slot_row >= 0).any()
+
+
+def test_resident_rows_are_the_most_read(checkpoints):
+    """Two resident slots: the two most frequent rows take them; they serve 6 of the 8 lookups."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    row = whole.nbytes // (whole.end - whole.start)
+    tier = FileTier(CheckpointFiles(path), 2 * row, refresh_every=0)
+    rows = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=tier)).table.file_rows
+    assert rows.fill(torch.tensor([[5, 5, 5, 7], [7, 5, 9, 11]])) == 0.75
+    assert rows.slots == 2 and set(rows.slot_row.tolist()) == {5, 7}
+
+
+def test_a_missing_file_fails_at_load_naming_it(checkpoints, tmp_path):
+    src = checkpoints["int8"]
+    dst = tmp_path / "split"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    (dst / "model-00001-of-00002.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    weight_map = {"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors .*does not exist"):
+        CheckpointFiles(dst)
+
+
+def test_a_truncated_file_fails_at_load_naming_it(checkpoints, tmp_path):
+    src = checkpoints["int8"]
+    dst = tmp_path / "cut"
+    dst.mkdir()
+    data = (src / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=r"model.safetensors is truncated: .* ends at byte"):
+        CheckpointFiles(dst)
+    (dst / "model.safetensors").write_bytes(data[:20])
+    with pytest.raises(ValueError, match="model.safetensors is truncated"):
+        CheckpointFiles(dst)
+
+
+def test_rows_are_read_as_stored(checkpoints):
+    """A BF16 checkpoint asked to serve INT8 from its files would need quantizing every read: an error."""
+    path = checkpoints["bf16"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    with pytest.raises(ValueError, match=r"read as stored \(bf16\), but the table is int8"):
+        load_ple_layer(path, _layer_id(path), PLEStorage("int8", host=True, file_tier=_tier(path, whole, 0.2)))
+
+
+def test_file_rows_do_not_hold_the_table(checkpoints):
+    """Host bytes of a 5 % budget: the resident rows and a small staging area, not the table."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    table = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole, 0.05))).table
+    row = whole.nbytes // (whole.end - whole.start)
+    assert table.nbytes == (table.file_rows.slots + 16) * row < whole.nbytes
+
