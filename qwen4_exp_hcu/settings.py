@@ -2,27 +2,52 @@
 field for). A leaf module (no torch, no vLLM): the plugin checks the names and types while vLLM builds its
 config, long before a model exists, and the model reads the values through the same function."""
 
+from typing import NamedTuple
+
 SETTINGS_KEY = "qwen4_exp_hcu"
-SETTINGS = ("hot_rows_gib", "hot_rows_calibration")
+SETTINGS = ("hot_rows_gib", "hot_rows_calibration", "host_table_gib", "host_table_calibration")
 WHERE = f"--additional-config.{SETTINGS_KEY}"
 
 
-def plugin_settings(additional_config: dict | None) -> tuple[float, str | None]:
-    """(`hot_rows_gib`, `hot_rows_calibration`) of the hot-row cache: GiB per rank for all PLE layers, row maps
-    included (0 = off), and a safetensors file with a `tokens` stream (None: the cache follows served
-    traffic). Unknown names and wrong types are errors naming the setting; what depends on the model or
-    platform is checked where the model is built."""
+class PluginSettings(NamedTuple):
+    hot_rows_gib: float  # GPU hot-row cache, GiB per rank over all PLE layers, row maps included (0 = off)
+    hot_rows_calibration: str | None  # its calibration tokens (None: it follows served traffic)
+    host_table_gib: float  # host bytes per rank for resident PLE rows; the rest stay in the files (0 = off)
+    host_table_calibration: str | None  # the resident rows' calibration tokens (None: they follow traffic)
+
+
+def _gib(settings: dict, name: str) -> float:
+    value = settings.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{WHERE}.{name} must be a number of GiB >= 0, got {value!r}.")
+    return value
+
+
+def _calibration(settings: dict, name: str, size: str) -> str | None:
+    """A safetensors file with a `tokens` stream, only with its size setting."""
+    value = settings.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{WHERE}.{name} must be the path of a safetensors file, got {value!r}.")
+    if value is not None and not settings.get(size):
+        raise ValueError(f"{WHERE}.{name} is set but {size} is not: there is nothing to calibrate.")
+    return value
+
+
+def plugin_settings(additional_config: dict | None) -> PluginSettings:
+    """The settings, checked: unknown names and wrong types are errors naming the setting; what depends on the
+    model or platform is checked where the model is built. `host_table_gib` > 0 turns on the file tier
+    (`ple.file_rows`): that many GiB of the most-read rows stay in host memory, the others are read from the
+    checkpoint's files per lookup."""
     settings = (additional_config or {}).get(SETTINGS_KEY, {})
     if not isinstance(settings, dict):
         raise ValueError(f"{WHERE}: expected a mapping of {list(SETTINGS)}, got {settings!r}.")
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise ValueError(f"{WHERE}: unknown setting(s) {unknown}; the settings are {list(SETTINGS)}.")
-    gib, calibration = settings.get("hot_rows_gib", 0), settings.get("hot_rows_calibration")
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
-        raise ValueError(f"{WHERE}.hot_rows_gib must be a number of GiB >= 0, got {gib!r}.")
-    if calibration is not None and not isinstance(calibration, str):
-        raise ValueError(f"{WHERE}.hot_rows_calibration must be the path of a safetensors file, got {calibration!r}.")
-    if calibration is not None and not gib:
-        raise ValueError(f"{WHERE}.hot_rows_calibration is set but hot_rows_gib is not: the cache has no size.")
-    return gib, calibration
+    out = PluginSettings(
+        _gib(settings, "hot_rows_gib"), _calibration(settings, "hot_rows_calibration", "hot_rows_gib"),
+        _gib(settings, "host_table_gib"), _calibration(settings, "host_table_calibration", "host_table_gib"),
+    )  # fmt: skip
+    if out.hot_rows_gib and out.host_table_gib:
+        raise ValueError(f"{WHERE}: hot_rows_gib and host_table_gib do not combine yet; choose one.")
+    return out

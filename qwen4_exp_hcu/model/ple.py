@@ -91,6 +91,7 @@ class PLEBlock(nn.Module, MambaBase):
         self.cache_shapes = cache_shapes(vllm_config)
         self.layer = PLELayer(vllm_config.model_config.hf_text_config, ple_layer_index, placement.storage, self.model_dtype)
         self.hot_rows = placement.hot_rows
+        self.file_calibration = placement.file_calibration
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         # this layer's `Prefetch` handle (None: the lookup runs inside `ple_forward`)
         self.prefetch = None if placement.prefetch is None else placement.prefetch.add(self.layer)
@@ -178,6 +179,10 @@ class PLEBlock(nn.Module, MambaBase):
         budget, calibration = self.hot_rows
         if budget:
             logger.info("%s: %s", self.prefix, self.layer.enable_hot_rows(budget, calibration).describe())
+        if self.file_calibration is not None:
+            self.layer.table.file_rows.fill(self.layer.calibration_ids(self.file_calibration))
+        if self.layer.table.file_rows is not None:
+            logger.info("%s: %s", self.prefix, self.layer.table.describe())
 
     def storage(self) -> dict:
         """Where the table lives, for reports and tests: device, pinned, bytes, data pointer."""

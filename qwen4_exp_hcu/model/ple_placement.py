@@ -51,7 +51,8 @@ class PLEPlacement:
         shared = dp_shared_host(vllm_config, storage) if share else None
         # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
         huge_pages = engram is not None and bool(engram.use_thp) and cpu_offload and shared is None
-        self.storage = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages)
+        file_tier, self.file_calibration = file_tier_settings(vllm_config, storage, shared is not None or huge_pages)
+        self.storage = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages, file_tier=file_tier)
         self.hot_rows = hot_rows_settings(vllm_config, self.storage)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.prefetch = PrefetchWorkspace([], max_tokens, device) if prefetch_enabled() else None
@@ -63,7 +64,8 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
     needs the storage and the calibration file."""
     from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
 
-    gib, calibration = plugin_settings(vllm_config.additional_config)
+    settings = plugin_settings(vllm_config.additional_config)
+    gib, calibration = settings.hot_rows_gib, settings.hot_rows_calibration
     if not gib:
         return 0, None
     device = torch.device(storage.device)
@@ -77,6 +79,44 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
     config = vllm_config.model_config.hf_text_config
     tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
     return int(gib * 2**30) // len(ple_layers(config)), tokens
+
+
+def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_huge: bool):
+    """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
+    host bytes of each PLE layer's resident rows. Its lookups sync with the host, so no full CUDA graph may
+    capture them (vLLM's breakable and piecewise graphs run the PLE ops eagerly)."""
+    from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
+    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
+
+    settings = plugin_settings(vllm_config.additional_config)
+    if not settings.host_table_gib:
+        return None, None
+    if not storage.host:
+        raise ValueError(f"{WHERE}.host_table_gib keeps part of host-resident PLE tables in files: it needs --engram-config.cpu_offload=True.")
+    if shared_or_huge:
+        raise ValueError(f"{WHERE}.host_table_gib does not combine with --engram-config.dp_shared_memory or use_thp.")
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if torch.device(storage.device).type != "cpu" and mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"{WHERE}.host_table_gib reads PLE rows from files on the host during each lookup, which a full CUDA "
+            f"graph cannot capture, but cudagraph_mode is {mode.name}. Use vLLM's default breakable graphs, "
+            "PIECEWISE or NONE (compilation_config.cudagraph_mode)."
+        )
+    config = vllm_config.model_config.hf_text_config
+    files = CheckpointFiles(checkpoint_directory(vllm_config))
+    tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)))
+    calibration = settings.host_table_calibration
+    return tier, None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
+
+
+def checkpoint_directory(vllm_config: VllmConfig) -> str:
+    """The local directory of the served checkpoint: the model path, or its Hugging Face cache snapshot."""
+    model = vllm_config.model_config.model
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, revision=vllm_config.model_config.revision, local_files_only=True)
 
 
 def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:

@@ -267,11 +267,15 @@ class PLELayer(nn.Module):
             )
         hot = t.enable_hot_rows(slots, observe)
         if not observe:
-            tokens = calibration_tokens.to(t.compute_device, torch.int64)
-            qsl = torch.tensor([0, tokens.numel()], device=tokens.device)
-            context = torch.full((1, self.spec.context_len), self.spec.eos_token_id, device=tokens.device)
-            hot.fill(ngram_ids(self.spec, tokens, qsl, context))
+            hot.fill(self.calibration_ids(calibration_tokens))
         return hot
+
+    def calibration_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This layer's table row ids of one calibration token stream (EOS context before it)."""
+        tokens = tokens.to(self.table.compute_device, torch.int64)
+        qsl = torch.tensor([0, tokens.numel()], device=tokens.device)
+        context = torch.full((1, self.spec.context_len), self.spec.eos_token_id, device=tokens.device)
+        return ngram_ids(self.spec, tokens, qsl, context)
 
     @classmethod
     def from_state_dict(
