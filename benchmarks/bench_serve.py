@@ -12,6 +12,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      follows the synthetic target (`tiny.add_mtp_head(follow_target=True)`: nearly every
                      draft accepted, so the ceiling of the speed-up; the acceptance rate is reported)
   host_int8_hot_rows host_int8 with a 1 GiB GPU hot-row cache filled from served traffic
+  host_int8_files{50,20,5}  host_int8 with `host_table_gib` at 50/20/5 % of the table: the most-read rows
+                     resident (from served traffic), the rest read from the checkpoint's files per lookup
+                     (`ple.file_rows`; breakable graphs only)
 Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
 run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes.
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
@@ -45,6 +48,7 @@ VARIANTS = {
     "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
+    **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100}, "int8") for p in (50, 20, 5)},
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
     "vllm_host_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"hf_overrides": {"output_gate_type": "silu"}}, "bf16"),
     "vllm_gpu_bf16": (
@@ -150,6 +154,12 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool, full_decode_o
 
     t0 = time.monotonic()
     additional_config = {**ENGINE["additional_config"], **engine.get("additional_config", {})}
+    engine = dict(engine)
+    if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
+        from qwen4_exp_hcu.ple.file_rows import CheckpointFiles
+
+        ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
+        additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}
     llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config,
                                    "compilation_config": compilation_config}, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0

@@ -64,12 +64,13 @@ def test_every_budget_looks_up_what_the_host_table_does(checkpoints, release, ra
             table = load_ple_layer(path, _layer_id(path), tiered).table
             rows = table.file_rows
             assert rows.slots == min(int(share * whole.nbytes) // (whole.nbytes // (whole.end - whole.start)), whole.end - whole.start)
+            assert (rows.slot_of >= 0).all() == (share == 1.0)  # a budget that holds the table holds it all at load
             if not refresh_every:
                 rows.fill(_ids(table, 64, seed=0))
             for step in range(5):
                 ids = _ids(table, 3 + 7 * step, seed=step)
                 assert torch.equal(table.lookup(ids), whole.lookup(ids)), (release, share, refresh_every, step)
-            if refresh_every and rows.slots:
+            if refresh_every and 0 < rows.slots < rows.n:
                 assert rows.refreshes == 2 and (rows.slot_row >= 0).any()
 
 

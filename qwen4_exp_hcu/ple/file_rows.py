@@ -38,10 +38,13 @@ class TensorLocation:
     shape: tuple[int, ...]
     offset: int  # of the first byte in the file
 
+    @property
+    def nbytes(self) -> int:
+        return _ITEMSIZE[self.dtype] * int(np.prod(self.shape, dtype=np.int64))
+
     def rows(self) -> np.memmap:
         """[rows, bytes per row] read-only view of the file."""
-        row_bytes = _ITEMSIZE[self.dtype] * int(np.prod(self.shape[1:], dtype=np.int64))
-        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.shape[0], row_bytes))
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.shape[0], self.nbytes // self.shape[0]))
 
 
 class CheckpointFiles:
@@ -136,6 +139,13 @@ class FileRows:
                 raise ValueError(f"{name}: {mm.shape[1]} bytes per row in the file, the table stores {want}.")
             self.files.setdefault(j, {})[part] = mm
 
+    def loaded(self) -> None:
+        """After the shards are mapped: a budget that holds every owned row makes them all resident now."""
+        if self.slots == self.n:
+            every = np.arange(self.n)
+            self._read(every, 0)
+            self.slot_of[:], self.slot_row[:] = every, every
+
     def _read(self, rows: np.ndarray, at: int) -> None:
         """Copy owned rows (sorted) from the files into buffer rows `at...`."""
         glob = rows + self.start
@@ -188,7 +198,10 @@ class FileRows:
         return self.promote(np.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
 
     def promote(self, counts: np.ndarray) -> float:
-        """The `slots` most counted rows become resident (rows that stay keep their slot)."""
+        """The `slots` most counted rows become resident (rows that stay keep their slot); with a slot for every
+        row, all stay."""
+        if self.slots == self.n:
+            return 1.0
         self._wait()
         k = min(self.slots, int(np.count_nonzero(counts)))
         top = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)

@@ -226,6 +226,8 @@ class PLETable:
             raise ValueError(f"{name}.{self.format.table_scale} is missing: a {self.fmt} PLE table needs its one table-level scale.")
         if self.shared is not None:
             self.shared.loaded()
+        if self.file_rows is not None:
+            self.file_rows.loaded()
 
     # ---- hot-row cache ---------------------------------------------------------------------------
     def enable_hot_rows(self, slots: int, observe: bool = False) -> HotRows:

@@ -1,0 +1,157 @@
+"""PLE lookups with rows read from the checkpoint's files (`ple.file_rows`) against the whole table in host memory.
+
+    python benchmarks/bench_file_tier.py [--table-gb 2] [--tokens 256] [--steps 64] [--dir /tmp/file-tier]
+                                         [--out benchmarks/results]
+
+Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row) as
+safetensors shards under `--dir`, then looks up the n-gram row ids of `--tokens` tokens per step (a decode step
+of that batch) for `--steps` steps, on natural text (benchmarks/data/text_tokens.safetensors) and on uniform
+token ids, with 100 / 50 / 20 / 5 % of the table resident (calibrated on the text that follows), against the
+whole table pinned in host memory. Cold: the files' page cache dropped first (`posix_fadvise(DONTNEED)`);
+warm: the same steps again. Reported: ms per lookup, GB/s of useful bytes (row + scale per token and head),
+the ratio to the whole table, the share of ids served by resident rows. On an accelerator the lookup kernel
+reads over UVA; on the CPU the torch reference reads. Writes JSON + PNG into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.bench_lookup import bench_config, token_streams
+from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier, drop_page_cache
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.storage import PLEStorage
+from qwen4_exp_hcu.ple.table import PLETable
+
+HEADS, DIM, SHARDS = 16, 160, 16
+NAME = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_{}.weight"
+SHARES = (1.0, 0.5, 0.2, 0.05)
+
+
+def write_table(directory: Path, rows: int, shard_rows: int) -> None:
+    """Random INT8 rows + bf16 scales, one safetensors file per shard (written once, reused)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for j in range(-(-rows // shard_rows)):
+        path = directory / f"model-{j:05d}.safetensors"
+        if path.exists():
+            continue
+        n = min(shard_rows, rows - j * shard_rows)
+        w = torch.randint(-127, 128, (n, DIM), dtype=torch.int8, generator=gen)
+        s = (torch.rand(n, 1, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+        save_file({NAME.format(j): w, NAME.format(j) + "_scale": s}, str(path))
+
+
+def load(directory: Path, rows: int, shard_rows: int, storage: PLEStorage) -> PLETable:
+    table = PLETable(rows, DIM, storage, shard_rows=shard_rows)
+    for j, path in enumerate(sorted(directory.glob("*.safetensors"))):
+        t = load_file(path)
+        table.load_shard(j, t[NAME.format(j)], t[NAME.format(j) + "_scale"], name=NAME.format(j))
+    table.check_loaded()
+    return table
+
+
+def timed_lookups(table: PLETable, steps: list[torch.Tensor]) -> float:
+    """Mean seconds per lookup (each lookup waits for its result: a step cannot start before its rows exist)."""
+    sync = torch.cuda.synchronize if steps[0].is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for ids in steps:
+        table.lookup(ids)
+        sync()
+    return (time.perf_counter() - t0) / len(steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--table-gb", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dir", default="/tmp/file-tier")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM)
+    spec = NgramHashSpec.from_config(cfg, 0)
+    rows, shard_rows = spec.rows, -(-spec.rows // SHARDS)
+    directory = Path(args.dir) / f"{args.table_gb:g}gb"
+    write_table(directory, rows, shard_rows)
+    gen = torch.Generator().manual_seed(0)
+    n = args.tokens * args.steps
+    streams = {k: v for k, v in token_streams(2 * n, gen).items() if k in ("text", "uniform")}
+    context = torch.full((1, spec.context_len), cfg.eos_token_id)
+
+    def ids_of(tokens):
+        return ngram_ids(spec, tokens.to(device), torch.tensor([0, tokens.numel()], device=device), context.to(device))
+
+    whole = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True))
+    useful = args.tokens * HEADS * (DIM + 2)
+    results = []
+    for stream, tokens in streams.items():
+        ids = ids_of(tokens[:n])
+        steps = list(ids.reshape(args.steps, args.tokens, HEADS))
+        calibration = ids_of(tokens[n:])  # the text that follows (uniform: more uniform ids)
+        base = timed_lookups(whole, steps)
+        results.append(dict(stream=stream, share=None, phase="whole", s=base, gbps=useful / base / 1e9))
+        print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {useful / base / 1e9:6.2f} GB/s", flush=True)
+        for share in SHARES:
+            tier = FileTier(CheckpointFiles(directory), int(share * whole.nbytes), refresh_every=0,
+                            staging_rows=args.tokens * HEADS)  # fmt: skip
+            table = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True, file_tier=tier))
+            served = table.file_rows.fill(calibration)
+            hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.reshape(-1).cpu() - table.start] >= 0).float().mean())
+            assert all(torch.equal(table.lookup(s), whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
+            for f in directory.glob("*.safetensors"):
+                drop_page_cache(f)
+            for phase in ("cold", "warm"):
+                t = timed_lookups(table, steps)
+                results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=useful / t / 1e9,
+                                    vs_whole=base / t, resident_hits=hits, calibration_served=served))  # fmt: skip
+                print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {useful / t / 1e9:6.2f} GB/s  "
+                      f"{base / t:5.2f}x whole  hits {hits:.0%}", flush=True)  # fmt: skip
+            del table
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"file_tier_{device}"
+    report = {
+        "command": f"python benchmarks/bench_file_tier.py --table-gb {args.table_gb:g} --tokens {args.tokens} --steps {args.steps}",
+        "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                    "cpus": __import__("os").cpu_count(), "torch": torch.__version__},  # fmt: skip
+        "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": whole.nbytes, "shards": SHARDS},
+        "tokens_per_step": args.tokens, "steps": args.steps, "results": results,
+    }
+    (out / f"{tag}.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / f"{tag}.png")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for stream in ("text", "uniform"):
+        for phase, style in (("warm", "-o"), ("cold", "--x")):
+            pts = [(r["share"] * 100, r["vs_whole"]) for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{stream}, {phase}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("table resident in host memory (%)")
+    ax.set_ylabel("lookup speed vs whole table in host memory")
+    ax.set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.1f} GB INT8 table, {report['tokens_per_step']} tokens/step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
