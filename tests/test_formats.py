@@ -81,6 +81,12 @@ def test_upstream_tables_load_and_equal_their_dequantized_rows(fmt):
     ours = PLELayer.from_state_dict(cfg, 1, quantized, storage=PLEStorage(fmt), dtype=torch.float32)
     ref = PLELayer.from_state_dict(cfg, 1, bf16, storage=PLEStorage("bf16"), dtype=torch.float32)
     assert ours.table.weight.dtype == {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}[fmt]
+    shards = range(len([k for k in quantized if k.endswith(".weight") and ".shard_" in k]))
+    raw = lambda parts: torch.cat(parts).view(torch.uint8)  # noqa: E731
+    assert torch.equal(ours.table.weight.view(torch.uint8), raw([quantized[SHARD.format(j)] for j in shards]))
+    if fmt == "nvfp4":  # ... and the per-block scales, every row as the checkpoint has it
+        assert torch.equal(ours.table.scale.view(torch.uint8), raw([quantized[SHARD.format(j) + "_scale"] for j in shards]))
+    assert ours.table.tensor_scale.tolist() == quantized[TABLE_SCALE[fmt]].float().tolist()
     assert ours.table.nbytes < ref.table.nbytes / (1.9 if fmt == "fp8" else 3.5)
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
     batch = PLEBatch.from_lengths(ids, [7, 4], [0, 2], [False, False])

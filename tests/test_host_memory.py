@@ -7,8 +7,8 @@ memory on the node), only the first rank copies checkpoint rows, every rank's lo
 private (unshared) layer's bit for bit, and no file is left in /dev/shm once the tables exist (names are
 unlinked as soon as every rank mapped them). On the GPU each process has also registered its mapping for
 UVA (unregistering its table succeeds). Host bytes are measured on a 64 MiB shared tensor: every rank has
-all of it resident (Rss), and the ranks' Pss add up to one copy (private copies per rank add up to `world`
-copies and fail the check).
+all of it resident (Rss), and the ranks' Pss add up to one copy. The same rows in a private host table (no
+`dp_shared_memory`) cost every rank a whole copy: their Pss add up to `world` copies.
 """
 
 import os
@@ -27,6 +27,7 @@ from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
+from qwen4_exp_hcu.ple.table import PLETable
 
 MEASURED_BYTES = 64 << 20  # the shared tensor whose host bytes are measured
 
@@ -44,6 +45,20 @@ def _mappings(run: str) -> dict[str, dict]:
         elif current is not None and fields[0] in ("Rss:", "Pss:"):
             current[fields[0][:-1]] += int(fields[1]) * 1024
     return found
+
+
+def _pss_over(tensor: torch.Tensor) -> int:
+    """Pss in bytes of the mappings holding `tensor`'s bytes (`/proc/self/smaps`; a mapping merged with
+    neighbours only adds to it)."""
+    lo, hi, total, inside = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, 0, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start < hi and lo < end
+        elif inside and fields[0] == "Pss:":
+            total += int(fields[1]) * 1024
+    return total
 
 
 def _worker(rank, world, tmp, run, on_gpu):
@@ -83,6 +98,10 @@ def _worker(rank, world, tmp, run, on_gpu):
     dist.barrier()
     measured = _mappings(f"{run}-sized").values()
     result["rss"], result["pss"] = sum(m["Rss"] for m in measured), sum(m["Pss"] for m in measured)
+    # the same bytes as a private host table (what each rank holds without dp_shared_memory)
+    own = PLETable(MEASURED_BYTES // 128, 128, storage).weight
+    own.fill_(1)
+    result["private_pss"] = _pss_over(own)
     result["left_in_shm"] = sorted(f for f in os.listdir(SHM_DIR) if f.startswith(run))
     if on_gpu:  # registered: unregistering succeeds (then register again; no error is left behind)
         cudart = torch.cuda.cudart()
@@ -104,8 +123,11 @@ def _check_one_copy(results, run):
         assert r["left_in_shm"] == []  # unlinked once mapped: nothing to leak
         assert r["sized_ok"] and r["rss"] == MEASURED_BYTES  # every rank has the whole tensor mapped ...
     host = sum(r["pss"] for r in results)  # ... and the node holds it once (Pss is rounded to KiB per rank)
-    print(f"SHM-HOST-BYTES {len(results)} ranks x {MEASURED_BYTES} B mapped: the node holds {host} B")
+    private = sum(r["private_pss"] for r in results)
+    print(f"SHM-HOST-BYTES {len(results)} ranks x {MEASURED_BYTES} B mapped: the node holds {host} B "
+          f"(private tables: {private} B)")
     assert abs(host - MEASURED_BYTES) <= 1024 * len(results), host
+    assert private >= len(results) * MEASURED_BYTES, private  # unshared: a whole copy per rank
 
 
 def _run_name() -> str:

@@ -112,8 +112,9 @@ def test_budget_arithmetic():
 
 def test_calibration_file_is_checked(tmp_path):
     good = tmp_path / "good.safetensors"
-    save_file({"tokens": torch.tensor([1, 2, 3], dtype=torch.int32)}, good)
-    assert load_calibration_tokens(str(good), 10).dtype == torch.int64
+    save_file({"tokens": torch.tensor([4, 1, 4, 9, 0], dtype=torch.int32)}, good)
+    tokens = load_calibration_tokens(str(good), 10)
+    assert tokens.dtype == torch.int64 and tokens.tolist() == [4, 1, 4, 9, 0]  # the stream as written, in order
     cases = {
         "no `tokens` tensor": {"ids": torch.tensor([1])},
         "1-D integer": {"tokens": torch.ones(2, 2, dtype=torch.int64)},

@@ -121,8 +121,12 @@ def test_edge_rows():
 
 
 def test_empty_shard():
-    q, scale = quantize_rows(torch.empty(0, 16, dtype=torch.bfloat16))
-    assert q.shape == (0, 16) and scale.shape == (0, 1)
+    w = torch.empty(0, 16, dtype=torch.bfloat16)
+    q, scale = quantize_rows(w)
+    q_ref, scale_ref = ct_reference(w)
+    assert_bits_equal(q, q_ref)  # int8 [0, 16] and bf16 [0, 1], as compressed-tensors has them
+    assert_bits_equal(scale, scale_ref)
+    assert_bits_equal(dequantize_rows(q, scale), torch.empty(0, 16, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(

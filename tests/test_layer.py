@@ -73,7 +73,7 @@ def test_padding_never_touches_a_real_request_in_slot_0():
     C = cfg.hidden_size * cfg.hc_count
     alone = empty_state(ours, 4)
     x0, t0 = torch.randn(5, C), torch.randint(0, 97, (5,))
-    run(ours, x0, t0, [5], [0], alone, [False])
+    out_alone = run(ours, x0, t0, [5], [0], alone, [False])
     # same request in slot 0, beside two padding requests (slot -1) and 3 padding tokens past qsl[-1]
     padded = empty_state(ours, 4)
     for s in (padded.ngram, padded.conv):
@@ -86,7 +86,12 @@ def test_padding_never_touches_a_real_request_in_slot_0():
     torch.testing.assert_close(padded.conv[0], alone.conv[0], atol=ATOL, rtol=0)  # matmuls of other sizes round differently
     for s, b in ((padded.ngram, before.ngram), (padded.conv, before.conv)):
         assert torch.equal(s[1:], b[1:])
-    assert torch.isfinite(out).all()
+    # the real request computes what it computes alone; each padding request (slot -1) reads no slot: it
+    # computes what a new request with its one token computes (slot 0 holds zeros, not the EOS context)
+    torch.testing.assert_close(out[:5], out_alone, atol=ATOL, rtol=0)
+    for i in (5, 6):
+        want = run(ours, hs[i : i + 1], ids[i : i + 1], [1], [0], empty_state(ours, 1), [False])
+        torch.testing.assert_close(out[i : i + 1], want, atol=ATOL, rtol=0)
 
 
 def test_bad_inputs_named():
