@@ -81,7 +81,7 @@ def test_upstream_layout_checkpoint_loads_as_declared(checkpoints, tmp_path, fmt
 
     served = upstream_table_checkpoints(checkpoints / "bf16", tmp_path / fmt, tmp_path / "oracle", fmt)
     ours, ref = load_ple_layer(served, 3), load_ple_layer(tmp_path / "oracle", 3)
-    assert ours.table.fmt == fmt and ref.table.fmt == "bf16"
+    assert ours.table.format.name == fmt and ref.table.format.name == "bf16"
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0))
     batch = PLEBatch.from_lengths(ids, [12], [0], [False])
     state = lambda: PLEState.zeros(ref.state_shapes(), 1, torch.bfloat16)  # noqa: E731

@@ -34,7 +34,6 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from qwen4_exp_hcu.names import SHARD, SKIPPED, SKIPPED_WITHOUT_QSA, ple_layers
-from qwen4_exp_hcu.ple.formats import FORMATS
 
 from .attention import (
     DenseGatedAttention,
@@ -272,7 +271,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             # Dense attention equals QSA within the budget; the indexer weights are not needed.
             mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
         blocks = self.model.ple_blocks
-        per_shard = 1 + (FORMATS[blocks[0].table.fmt].row_scale is not None) if blocks else 1  # tensors per shard
+        per_shard = 1 + (blocks[0].table.format.row_scale is not None) if blocks else 1  # tensors per shard
         per_layer = self.config.split_ngram_parts * per_shard
         with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
             loaded = AutoWeightsLoader(self).load_weights(_after_each(weights, SHARD.search, bar.update), mapper=mapper)

@@ -11,29 +11,18 @@ together. Per rank that moves ((W-1)(ids + row) + (TP-1) row) / TP bytes per rep
 ids for upstream vLLM's DP gather + all-reduce (`upstream_bytes_per_token`). Combining happens in bf16
 after the fused dequant; since exactly one rank owns each row, the sum is exact.
 
-Collectives go through a small group interface that vLLM's `GroupCoordinator` satisfies as is
+Collectives go through a small group interface (`ple.storage.Group`) that vLLM's `GroupCoordinator` satisfies as is
 (`world_size`, `rank_in_group`, `all_reduce`, `all_gather(x, dim)`, `reduce_scatter(x, dim)`) and that
 `TorchGroup` adapts for plain `torch.distributed` process groups.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.distributed as dist
 
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
-
-
-class Group(Protocol):
-    world_size: int
-    rank_in_group: int
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
-    def reduce_scatter(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
 
 class TorchGroup:

@@ -50,7 +50,7 @@ class TableFormat:
     lookup kernel's `FMT == kernel` branch; `quantize(float rows, table scale) -> (rows, row scales)` and
     `quantize_table_scale(largest magnitude)` are what the quantizer writes (None: it does not write this format)."""
 
-    name: str  # as configs, `PLETable.fmt` and the quantizer's --format spell it
+    name: str  # as configs, `PLETable.format.name` and the quantizer's --format spell it
     weight: str  # dtype of the stored rows (`shard_{j}.weight`)
     kernel: int  # `kernels.gather_dequant`'s FMT switch
     dequantize: Callable

@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from qwen4_exp_hcu.ple.etp import Group
     from qwen4_exp_hcu.ple.file_rows import FileTier
     from qwen4_exp_hcu.ple.host_memory import SharedHost
+
+
+class Group(Protocol):
+    """The collectives an ETP group offers: vLLM's `GroupCoordinator` as is, or `ple.etp.TorchGroup`."""
+
+    world_size: int
+    rank_in_group: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+    def reduce_scatter(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
 
 def owned_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -43,7 +43,7 @@ def _validate_packed(fmt: TableFormat, packed: torch.Tensor, block_scale: torch.
 class PLETable:
     """Rows ``[start, end)`` of a ``[rows, dim]`` table; `lookup` maps [T, H] row ids to [T, H*dim] bf16.
 
-    `storage.format` (`format` here is its `ple.formats` record, `fmt` its name): `bf16`, `int8` (+ one bf16
+    `storage.format` (`format` here is its `ple.formats` record): `bf16`, `int8` (+ one bf16
     scale per row), `fp8` (e4m3 + one fp32 scale for the table) or `nvfp4` (packed e2m1 + e4m3 block scales +
     one fp32 scale). Rows live on the accelerator or in host memory (`storage.host`); per-row scales live with
     them unless `storage.scales_on_device`; the one-number scale always lives on the accelerator. A checkpoint
@@ -67,7 +67,7 @@ class PLETable:
         block = spec.row_scale.block if spec.row_scale else None
         if block and dim % block:
             raise ValueError(f"{fmt.upper()} PLE rows hold blocks of {block} values; the head dim {dim} is not a multiple.")
-        self.rows, self.dim, self.start, self.end, self.fmt = rows, dim, start, end, fmt
+        self.rows, self.dim, self.start, self.end = rows, dim, start, end
         self.shard_rows = shard_rows or rows
         self.compute_device = torch.device(storage.device)
         pin = host and torch.cuda.is_available()
@@ -133,7 +133,7 @@ class PLETable:
 
     @property
     def quantized(self) -> bool:
-        return self.fmt != "bf16"
+        return self.format.name != "bf16"
 
     @property
     def nbytes(self) -> int:
@@ -167,9 +167,9 @@ class PLETable:
         n = max(hi - lo, 0)
         source = _source_format(weight, name)
         src = source.name
-        if src != self.fmt and {src, self.fmt} != {"bf16", "int8"}:
+        if src != self.format.name and {src, self.format.name} != {"bf16", "int8"}:
             raise ValueError(
-                f"{name}: a {weight.dtype} shard in a table the checkpoint's config declares {self.fmt} "
+                f"{name}: a {weight.dtype} shard in a table the checkpoint's config declares {self.format.name} "
                 "(the config and the tensors disagree)."
             )
         if source.row_scale is None and scale is not None:
@@ -185,17 +185,17 @@ class PLETable:
             _validate_packed(source, weight, scale, n, self.dim, name)
         a, b = max(lo, self.start), min(hi, self.end)
         if self.file_rows is not None:  # the rows stay in the file; lookups read them there
-            if src != self.fmt:
-                raise ValueError(f"{name}: PLE rows from files are read as stored ({src}), but the table is {self.fmt}.")
+            if src != self.format.name:
+                raise ValueError(f"{name}: PLE rows from files are read as stored ({src}), but the table is {self.format.name}.")
             if a < b:
                 self.file_rows.add_shard(j, {part: f"{name}{part.removeprefix('weight')}" for part in self._parts()})
         elif a < b and (self.shared is None or self.shared.writer):  # a shared table is filled once
             w = weight[a - lo : b - lo]
             s = None if scale is None else scale[a - lo : b - lo]
             dst = slice(a - self.start, b - self.start)
-            if self.fmt == "int8" and src == "bf16":
+            if self.format.name == "int8" and src == "bf16":
                 w, s = quantize_rows(w)
-            elif self.fmt == "bf16" and src == "int8":
+            elif self.format.name == "bf16" and src == "int8":
                 w, s = dequantize_rows(w, s), None
             self.weight[dst].copy_(w)
             if s is not None:
@@ -207,7 +207,7 @@ class PLETable:
         one finite positive number of any float dtype, shape [1] or []. FP8 rows are multiplied in bf16 by
         the bf16-rounded scale, as upstream dequantizes them (exact for the releases' bf16 scale); NVFP4 in fp32."""
         if self.tensor_scale is None:
-            raise ValueError(f"{name}: a table-level scale in a table the checkpoint's config declares {self.fmt} (none has one).")
+            raise ValueError(f"{name}: a table-level scale in a table the checkpoint's config declares {self.format.name} (none has one).")
         if not value.is_floating_point() or value.numel() != 1 or value.dim() > 1:
             raise ValueError(f"{name}: expected one floating-point scale of shape [1] or [], got {value.dtype} {tuple(value.shape)}.")
         scale = value.reshape(1).to(getattr(torch, self.format.table_scale_dtype)).float()
@@ -223,7 +223,7 @@ class PLETable:
         if missing:
             raise ValueError(f"{name}: checkpoint shards {missing} were never loaded (missing PLE shard).")
         if self.tensor_scale is not None and self._scale_name is None:
-            raise ValueError(f"{name}.{self.format.table_scale} is missing: a {self.fmt} PLE table needs its one table-level scale.")
+            raise ValueError(f"{name}.{self.format.table_scale} is missing: a {self.format.name} PLE table needs its one table-level scale.")
         if self.shared is not None:
             self.shared.loaded()
         if self.file_rows is not None:
@@ -238,7 +238,7 @@ class PLETable:
         if self.file_rows is not None:
             raise ValueError("the GPU hot-row cache and PLE rows from files do not combine yet; choose one.")
         if not self.format.hot_rows:
-            raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.fmt}.")
+            raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.format.name}.")
         self.hot = HotRows(self.weight, self.scale, self.start, slots, self.compute_device, observe)
         return self.hot
 

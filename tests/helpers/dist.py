@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qwen4_exp_hcu.ple.etp import Group
+from qwen4_exp_hcu.ple.storage import Group
 
 PG_TIMEOUT_S = 60  # a rank stuck in a collective fails after this instead of hanging the suite
 # imported once by the forkserver (it does not get the tests/ folder on sys.path, so only installed modules)
