@@ -56,3 +56,28 @@ def test_settings_are_checked_with_the_config():
     with pytest.raises(ValueError, match="hot_rows_gib and host_table_gib do not combine"):
         plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 1, "hot_rows_gib": 1}})
     assert plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 2}}).host_table_gib == 2
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_cuda_graphs_are_refused_at_load(tiny, mode):
+    """A lookup that syncs with the host cannot be captured: on an accelerator, a full-graph cudagraph_mode is an
+    error naming both settings, before any table is built."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from qwen4_exp_hcu.model.ple_placement import file_tier_settings
+    from qwen4_exp_hcu.ple.storage import PLEStorage
+
+    config = SimpleNamespace(
+        additional_config={"qwen4_exp_hcu": {"host_table_gib": 1}},
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
+        model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text_config_of(tiny["int8"])),
+    )
+    with pytest.raises(ValueError, match=f"host_table_gib .* cudagraph_mode is {mode}"):
+        file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
+    with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
+        file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
+    assert tier.resident_bytes == 2**30 // len(ple_layers(text_config_of(tiny["int8"]))) and calibration is None
