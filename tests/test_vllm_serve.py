@@ -22,7 +22,8 @@ import pytest
 import requests
 import torch
 
-from qwen4_exp_hcu.tiny import dequantized_checkpoint, load_config, make_tiny_int8_checkpoint, reference_greedy
+from qwen4_exp_hcu.tiny import load_config
+from helpers.references import greedy
 from helpers.scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL
 
 pytestmark = pytest.mark.vllm
@@ -76,8 +77,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_int8_checkpoint(tmp_path_factory.mktemp("serve") / "int8")
+def checkpoint(tiny):
+    return tiny["int8"]
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +127,9 @@ def server(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint, tmp_path_factory):
+def reference(tiny):
     """transformers on the dequantized tables; requested before `server` (an idle engine still eats CPU)."""
-    dequantized = dequantized_checkpoint(checkpoint, tmp_path_factory.mktemp("serve") / "dequantized")
-    return reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS)
+    return greedy(tiny["int8_dequantized"], PROMPTS, MAX_NEW_TOKENS)
 
 
 def test_completion_with_prompt_token_ids_matches_transformers(reference, server):

