@@ -390,9 +390,12 @@ def test_forward_with_no_requests():
     cfg = tiny_text_config()
     layer = PLELayer(cfg, 0, dtype=torch.float32)
     state = PLEState.zeros(layer.state_shapes(), SLOTS, torch.float32)
+    state.ngram.random_(0, cfg.vocab_size), state.conv.normal_()
+    before = state.clone()
     batch = PLEBatch.from_lengths(torch.zeros(0, dtype=torch.int64), [], [], [])
     out = layer(torch.zeros(0, cfg.hidden_size * cfg.hc_count), batch, state)
-    assert out.shape == (0, cfg.hidden_size * cfg.hc_count)
+    assert out.shape == (0, cfg.hidden_size * cfg.hc_count) and out.dtype == torch.float32
+    assert torch.equal(state.ngram, before.ngram) and torch.equal(state.conv, before.conv)  # no slot written
 
 
 def test_across_dp_moves_at_most_upstreams_bytes():

