@@ -276,31 +276,39 @@ def _reference_model(path: str | Path):
     return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _greedy(model, prompt: list[int], max_new_tokens: int, mm_token: int | None = None, mm_type: int = 1, **inputs) -> dict:
-    """Greedy steps, each re-running the whole sequence without a cache and never stopping at EOS (like
-    vLLM's `ignore_eos`): the new tokens and their `[max_new_tokens, vocab]` log-probabilities. `mm_token`
-    marks multimodal placeholders (`mm_token_type_ids` = `mm_type` there: 1 image, 2 video)."""
-    seq, rows = list(prompt), []
-    for _ in range(max_new_tokens):
-        ids = torch.tensor([seq])
+def _greedy(model, prompt: list[int], max_new_tokens: int, candidate=None, mm_token: int | None = None, mm_type: int = 1,
+            **inputs) -> dict:  # fmt: skip
+    """Greedy decoding without a cache, never stopping at EOS (like vLLM's `ignore_eos`): the new tokens and
+    their `[max_new_tokens, vocab]` log-probabilities. A causal model gives every step's logits in one forward
+    over the prompt and a candidate continuation, so the greedy continuation is the fixed point of "force the
+    candidate, take each step's argmax": where the candidate first differs, that step is corrected and the rest
+    forced again. Handed the right answer (e.g. vLLM's), one forward; with a wrong one or none, at most one
+    per step. The result does not depend on the candidate. `mm_token` marks multimodal placeholders
+    (`mm_token_type_ids` = `mm_type` there: 1 image, 2 video)."""
+    tokens = [int(t) for t in (candidate or [])][:max_new_tokens]
+    while True:
+        ids = torch.tensor([list(prompt) + tokens])
         if mm_token is not None:
             inputs["mm_token_type_ids"] = (ids == mm_token).int() * mm_type
-        logits = model(input_ids=ids, use_cache=False, **inputs).logits[0, -1]
-        rows.append(logits.log_softmax(-1))
-        seq.append(int(logits.argmax()))
-    return {"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)}
+        rows = model(input_ids=ids, use_cache=False, **inputs).logits[0, len(prompt) - 1 :].log_softmax(-1)
+        best = rows.argmax(-1).tolist()  # best[i]: the greedy token after tokens[:i]
+        wrong = next((i for i, t in enumerate(tokens) if t != best[i]), len(tokens))
+        if wrong == len(tokens) == max_new_tokens:
+            return {"tokens": tokens, "logprobs": rows[:max_new_tokens]}
+        tokens = tokens[:wrong] + best[wrong : wrong + 1] + tokens[wrong + 1 :]
 
 
 @torch.no_grad()
-def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int, candidates=None) -> list[dict]:
     """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle): per
-    prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities."""
+    prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities. `candidates`: a guess per prompt
+    (vLLM's tokens) that makes it one forward when right."""
     model = _reference_model(path)
-    return [_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+    return [_greedy(model, p, max_new_tokens, c) for p, c in zip(prompts, candidates or [None] * len(prompts), strict=True)]
 
 
 @torch.no_grad()
-def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_tokens: int) -> dict:
+def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_tokens: int, candidate=None) -> dict:
     """`reference_greedy` for a multimodal checkpoint: `prompt` holds one `<|image_pad|>` that the
     processor's image grid expands, as vLLM's processor does; transformers gets the same pixel values,
     grid and `mm_token_type_ids` (its M-RoPE positions). Returns the tokens, log-probabilities and the
@@ -314,14 +322,14 @@ def reference_greedy_image(path: str | Path, prompt: list[int], image, max_new_t
     i = prompt.index(pad)
     expanded = prompt[:i] + [pad] * n_image + prompt[i + 1 :]
     result = _greedy(
-        model, expanded, max_new_tokens, mm_token=pad,
+        model, expanded, max_new_tokens, candidate, mm_token=pad,
         pixel_values=pixels["pixel_values"].float(), image_grid_thw=pixels["image_grid_thw"],
     )  # fmt: skip
     return {**result, "prompt": expanded}
 
 
 @torch.no_grad()
-def reference_greedy_video(path: str | Path, prompt: list[int], frames, max_new_tokens: int) -> dict:
+def reference_greedy_video(path: str | Path, prompt: list[int], frames, max_new_tokens: int, candidate=None) -> dict:
     """`reference_greedy` for a video: `prompt` as vLLM's processor expanded it (each frame group wrapped
     in vision start/end, its placeholders repeated); transformers gets the same frames through the
     checkpoint's video processor (no frame sampling) and `mm_token_type_ids` 2 on the placeholders."""
@@ -330,7 +338,7 @@ def reference_greedy_video(path: str | Path, prompt: list[int], frames, max_new_
     model = _reference_model(path)
     pixels = AutoVideoProcessor.from_pretrained(path)(videos=[frames], do_sample_frames=False, return_tensors="pt")
     return _greedy(
-        model, prompt, max_new_tokens, mm_token=model.config.video_token_id, mm_type=2,
+        model, prompt, max_new_tokens, candidate, mm_token=model.config.video_token_id, mm_type=2,
         pixel_values_videos=pixels["pixel_values_videos"].float(), video_grid_thw=pixels["video_grid_thw"],
     )  # fmt: skip
 

@@ -31,19 +31,27 @@ def test_tiny_checkpoint_roundtrip(tmp_path):
 
 
 def test_teacher_forced_greedy_equals_step_by_step_greedy(tiny):
-    """`helpers.references.greedy`, the vLLM tests' oracle, gives `reference_greedy`'s tokens and
-    log-probabilities, whatever continuation it is handed first: the right one, a wrong one or none."""
-    from helpers import references
+    """`reference_greedy`, the vLLM tests' oracle, gives the tokens and log-probabilities of plain step-by-step
+    greedy decoding (one forward per new token), whatever continuation it is handed first: the right one, a
+    wrong one or none."""
     from helpers.scenarios import PROMPTS
 
     from qwen4_exp_hcu.tiny import reference_greedy
 
     prompts, new_tokens = PROMPTS[1:3], 12
-    expected = reference_greedy(tiny["bf16"], prompts, new_tokens)
+    model = AutoModelForCausalLM.from_pretrained(tiny["bf16"], dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq, rows = list(prompt), []
+            for _ in range(new_tokens):
+                logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+                rows.append(logits.log_softmax(-1))
+                seq.append(int(logits.argmax()))
+            expected.append({"tokens": seq[len(prompt) :], "logprobs": torch.stack(rows)})
     right = [r["tokens"] for r in expected]
     wrong = [t[:5] + [(t[5] + 1) % 500] + t[6:] for t in right]
     for candidates in (right, wrong, None):
-        references._RESULTS.clear()
-        for got, want in zip(references.greedy(tiny["bf16"], prompts, new_tokens, candidates), expected, strict=True):
+        for got, want in zip(reference_greedy(tiny["bf16"], prompts, new_tokens, candidates), expected, strict=True):
             assert got["tokens"] == want["tokens"]
             torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=0, atol=1e-4)
