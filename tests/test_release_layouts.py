@@ -281,7 +281,7 @@ def _start_as_released(release, path, records, monkeypatch):
 def test_release_served_matches_transformers(release, releases, watch_loading, monkeypatch, tmp_path):
     from helpers.engines import stop
     from helpers.references import greedy
-    from helpers.scenarios import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL, logprob_errors
+    from helpers.scenarios import WIDE, logprob_errors
     from test_vllm_parity import generate, tokens
 
     path = releases[release]
@@ -305,4 +305,4 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
     errors = torch.cat([logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in o.logprobs], r["logprobs"])
                         for o, r in zip(outputs, reference, strict=True)])  # fmt: skip
     print(f"{release}, {served}: top-5 logprobs vs transformers: mean {errors.mean():.4f}, max {errors.max():.4f}")
-    assert errors.mean() < LOGPROB_MEAN_TOL and errors.max() < LOGPROB_MAX_TOL
+    assert errors.mean() < WIDE.mean and errors.max() < WIDE.max

@@ -1,8 +1,8 @@
 """vLLM 0.33 on a GPU, in its default breakable CUDA graphs: PLE tables in upstream's FP8 (bf16 and fp32 table
 scale) and NVFP4 layouts, in pinned host memory, against transformers on their dequantized rows.
 
-The same scenarios and tolerances as `test_vllm_gpu.py` (chunked prefill, EOS in prompts, a concurrent batch,
-a prefix-cache hit), one engine process per checkpoint (`vllm_gpu_worker.py`), run two at a time.
+The same scenarios as `test_vllm_gpu.py` (chunked prefill, EOS in prompts, a concurrent batch, a prefix-cache
+hit) within the `WIDE` tolerance (`helpers.scenarios`), one engine process per checkpoint (`vllm_gpu_worker.py`), run two at a time.
 
     source .gpu-vllm/setup.sh && python3 -m pytest -s tests/test_vllm_gpu_formats.py
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.checkpoints import upstream_table_checkpoints
-from helpers.scenarios import MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS
+from helpers.scenarios import MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS, WIDE
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint, reference_greedy
 from test_vllm_gpu import TIMEOUT_S, WORKER, compare, within_tolerance
 
@@ -69,6 +69,6 @@ def test_upstream_table_layouts_in_breakable_graphs(variant, served):
     print(f"GPU-FORMAT {variant:<15} graphs={result['cudagraph_mode']} breakable={result['breakable']} "
           f"logprob err mean {worst['mean']:.4f} max {worst['max']:.4f} tables={[t['describe'] for t in result['tables']]}")  # fmt: skip
     assert result["breakable"] and result["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    assert within_tolerance(report), report
+    assert within_tolerance(report, WIDE), report
     for table in result["tables"]:
         assert (table["device"], table["pinned"], table["dtype"]) == ("cpu", True, VARIANTS[variant][2]), table

