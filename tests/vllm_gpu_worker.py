@@ -2,9 +2,10 @@
 
 Run by `tests/test_vllm_gpu.py`, one subprocess per (mode, prefetch), because vLLM reads its graph settings
 (`VLLM_USE_BREAKABLE_CUDAGRAPH`, cached envs) once per process. The engine runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else.
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else, and
+`--rows-fault F` can read every PLE row F times too large (`helpers.faults`: the subtle fault `TINY` is calibrated on).
 
-    python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault]
+    python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault] [--rows-fault 1.02]
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument("--fault", action="store_true")
+    parser.add_argument("--rows-fault", type=float, default=None, metavar="FACTOR")
     args = parser.parse_args()
 
     env, _ = MODES[args.mode]
@@ -64,6 +66,10 @@ def main() -> None:
         from helpers.faults import break_state_carry
 
         break_state_carry()
+    if args.rows_fault is not None:
+        from helpers.faults import scale_table_rows
+
+        scale_table_rows(factor=args.rows_fault)
     if args.mode == "hot_rows":
         from qwen4_exp_hcu.ple import hot_rows
 
@@ -101,6 +107,7 @@ def main() -> None:
         "mode": args.mode,
         "prefetch": not args.no_prefetch,
         "fault": args.fault,
+        "rows_fault": args.rows_fault,
         "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
         "cudagraph_mode": str(config.cudagraph_mode.name),
         "compilation_mode": str(config.mode.name),
