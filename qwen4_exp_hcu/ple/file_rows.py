@@ -69,14 +69,20 @@ class CheckpointFiles:
         self.tensors: dict[str, TensorLocation] = {}
         for f in files:
             self.tensors.update(_read_header(f))
+        self._by_key: dict[str, list[TensorLocation]] = {}
+        for n, loc in self.tensors.items():
+            self._by_key.setdefault(_key(n), []).append(loc)
 
     def find(self, name: str) -> TensorLocation:
         """The tensor `name`, matched from its `layers.` part on (vLLM and the checkpoint prefix models differently)."""
-        key = name[name.index("layers.") :] if "layers." in name else name
-        hits = [loc for n, loc in self.tensors.items() if n.endswith(key)]
+        hits = self._by_key.get(_key(name), [])
         if len(hits) != 1:
             raise ValueError(f"PLE rows from files: {name} is {'not' if not hits else 'more than once'} in the safetensors files of {self.directory}.")
         return hits[0]
+
+
+def _key(name: str) -> str:
+    return name[name.index("layers.") :] if "layers." in name else name
 
 
 def _read_header(path: Path) -> dict[str, TensorLocation]:
@@ -112,13 +118,15 @@ class FileTier:
 
 
 class FileRows:
-    """Owned rows `[start, start + n)` of a table whose per-row parts (`weight`, and `scale` when per row) are
-    the buffers the table allocated: `slots` resident rows, then the staging area."""
+    """Owned rows `[start, start + n)` of a table of `row_bytes` per row. The table's per-row buffers
+    (`resize(rows, keep)` allocates them, keeping the first `keep` rows) hold the resident rows the budget
+    allows (`slots`), then the staging area."""
 
-    def __init__(self, tier: FileTier, start: int, n: int, shard_rows: int, slots: int, buffers: dict[str, torch.Tensor],
-                 grow) -> None:  # fmt: skip
-        self.tier, self.start, self.n, self.shard_rows, self.slots = tier, start, n, shard_rows, slots
-        self.buffers, self._grow = buffers, grow  # grow(rows) -> new buffers with room for `rows` rows
+    def __init__(self, tier: FileTier, start: int, n: int, shard_rows: int, row_bytes: int, resize) -> None:
+        self.tier, self.start, self.n, self.shard_rows = tier, start, n, shard_rows
+        self.slots = slots = resident_slots(tier.resident_bytes, n, row_bytes)
+        self._resize = resize
+        self.buffers: dict[str, torch.Tensor] = resize(slots + tier.staging_rows)
         self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
         self.slot_row = np.full(slots, -1, dtype=np.int64)
@@ -187,7 +195,7 @@ class FileRows:
         miss = owned & (slot < 0)
         rows, inverse = np.unique(local[miss], return_inverse=True)
         if rows.size > self.staging:
-            self.buffers = self._grow(self.slots + max(rows.size, 2 * self.staging))
+            self.buffers = self._resize(self.slots + max(rows.size, 2 * self.staging), self.slots)
         self._read(rows, self.slots)
         slot[miss] = self.slots + inverse.reshape(-1)
         return torch.from_numpy(slot).to(ids.device)
@@ -223,7 +231,7 @@ class FileRows:
     def _read_into_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Rows (sorted) into resident `slots` (any order): read into staging, then placed."""
         if rows.size > self.staging:
-            self.buffers = self._grow(self.slots + rows.size)
+            self.buffers = self._resize(self.slots + rows.size, self.slots)
         self._read(rows, self.slots)
         for t in self.buffers.values():
             t[torch.from_numpy(slots)] = t[self.slots : self.slots + rows.size].clone()

@@ -72,6 +72,15 @@ class TableFormat:
     def weight_shape(self, rows: int, dim: int) -> tuple[int, int]:
         return rows, dim // self.pack
 
+    def row_bytes(self, dim: int) -> int:
+        """Bytes of one stored row with its row scales (the table scale aside)."""
+        import torch
+
+        size = dim // self.pack * getattr(torch, self.weight).itemsize
+        if self.row_scale is not None:
+            size += self.row_scale.shape(1, dim)[1] * getattr(torch, self.row_scale.dtype).itemsize
+        return size
+
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -258,7 +258,7 @@ class PLELayer(nn.Module):
         the rows most frequent in `calibration_tokens` (one token stream, EOS between documents), or,
         without them, the rows served traffic reads most (see `ple.hot_rows`)."""
         t, observe = self.table, calibration_tokens is None
-        row_bytes = t.weight[:1].nbytes + (t.scale[:1].nbytes if t.scale is not None else 0)
+        row_bytes = t.format.row_bytes(t.dim)
         slots = HotRows.slots_for(gpu_bytes, t.end - t.start, row_bytes, observe)
         if slots < 1:
             raise ValueError(

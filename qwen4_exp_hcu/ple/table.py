@@ -12,7 +12,7 @@ import torch
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
-from qwen4_exp_hcu.ple.file_rows import FileRows, resident_slots
+from qwen4_exp_hcu.ple.file_rows import FileRows
 from qwen4_exp_hcu.ple.formats import FORMATS, TableFormat, stored_as
 from qwen4_exp_hcu.ple.host_memory import huge_page_empty, pinned_empty
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -95,26 +95,20 @@ class PLETable:
         row_scale = spec.row_scale
         scale_alloc = on_device if storage.scales_on_device else alloc
 
-        def allocate(rows: int) -> None:
+        def resize(rows: int, keep: int = 0) -> dict[str, torch.Tensor]:
+            """(Re)allocate the per-row buffers for `rows` rows, keeping the first `keep` (the file tier's staging grows)."""
+            old = self._parts() if keep else {}
             self.weight = alloc(spec.weight_shape(rows, dim), getattr(torch, spec.weight), "weight")
             self.scale = None if row_scale is None else scale_alloc(row_scale.shape(rows, dim), getattr(torch, row_scale.dtype), "scale")
+            for part, t in self._parts().items():
+                if part in old:
+                    t[:keep].copy_(old[part][:keep])
+            return self._parts()
 
         if tier is None:
-            allocate(n)
+            resize(n)
         else:
-            weight_bytes = spec.weight_shape(1, dim)[1] * getattr(torch, spec.weight).itemsize
-            scale_bytes = row_scale.shape(1, dim)[1] * getattr(torch, row_scale.dtype).itemsize if row_scale else 0
-            slots = resident_slots(tier.resident_bytes, n, weight_bytes + scale_bytes)
-            allocate(slots + tier.staging_rows)
-
-            def grow(rows: int) -> dict[str, torch.Tensor]:
-                old = self._parts()
-                allocate(rows)
-                for part, t in self._parts().items():
-                    t[:slots].copy_(old[part][:slots])
-                return self._parts()
-
-            self.file_rows = FileRows(tier, start, n, self.shard_rows, slots, self._parts(), grow)
+            self.file_rows = FileRows(tier, start, n, self.shard_rows, spec.row_bytes(dim), resize)
         # one fp32 scale for the whole table (`set_table_scale`)
         self._scale_name: str | None = None
         self.tensor_scale = (
