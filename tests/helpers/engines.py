@@ -51,12 +51,18 @@ def start(path, env: dict | None = None, **kwargs):
 
 
 def stop(llm) -> None:
-    """Shut the engine down and free it; an in-process engine also tears down vLLM's distributed state and
-    its environment-variable cache, so the next engine starts clean."""
+    """Shut the engine down and free it; an in-process engine also tears down vLLM's distributed state, its
+    environment-variable cache and its CUDA-graph pool, so the next engine starts clean."""
+    from vllm.platforms import current_platform
+
     before = _ENVIRON_BEFORE.pop(id(llm), None)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    # vLLM captures every CUDA graph of a process into one pool handle; once the engine's graphs are gone the
+    # allocator keeps the dead pool, and a second engine capturing into that handle trips PyTorch's
+    # `use_count > 0` assert: the next engine in this process gets a fresh handle.
+    type(current_platform)._global_graph_pool = None
     if before is not None:
         _restore(before)
 

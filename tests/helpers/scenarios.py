@@ -47,12 +47,20 @@ class Tolerance:
 # (0.009 / 0.11) is within the noise.
 TINY = Tolerance(0.012, 0.12)
 # torch.compile on the GPU (FULL_AND_PIECEWISE, PIECEWISE): 0.019 / 0.194 clean on the same checkpoint, with and
-# without prefetch, not explained yet (a first guess to test: Inductor's fused bf16 kernels round differently
-# from eager; its `emulate_precision_casts` would tell). Calibrated against the broken state carry (0.93) only.
+# without prefetch. Inductor's rounding: with `emulate_precision_casts` (its fused kernels round intermediates to
+# bf16 where eager does) both modes give eager's 0.0069 / 0.034 exactly (H200, 2026-12-01). The 2 % row fault
+# (0.015 / 0.163) is smaller than that rounding noise and passes these bounds; `test_vllm_gpu.py` catches it in the
+# compiled graphs with emulated casts under `TINY`. Here: gross faults (the broken state carry, 0.93).
 COMPILED = Tolerance(0.03, 0.3)
 # Release layouts (MoE, FP8/NVFP4 experts), multimodal towers, quantized main models, TP = 2 serving, speculative
 # decoding against none: calibrated against gross faults only (measured clean values go up to 0.019 / 0.137).
 WIDE = Tolerance(0.03, 0.3)
+# Prompts of 3k-8k tokens beyond the QSA budget (`test_vllm_long_context.py`: the tiny INT8 checkpoint with the
+# release's budget, 2048, on the H200, 2026-12-01): QSA clean, worst prompt 0.0071 / 0.027; the same engine with
+# dense attention over every token, the fault QSA guards against, 0.0125 / 0.052 at 8000 tokens and 0.0120 / 0.037 at
+# 5000. Random tiny weights attend almost uniformly, so which blocks QSA keeps moves logprobs little: the bounds sit
+# between the two.
+LONG = Tolerance(0.01, 0.04)
 # Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
 # a fixed KV cache, since several engines may share the GPU.
 GPU_ENGINE = {

@@ -1,0 +1,98 @@
+"""Long context on a GPU: prompts of 3k-8k tokens, beyond the QSA indexer budget, against transformers.
+
+Beyond `indexer_budget` (2048 in the release) attention is QSA: each query attends to the top-scoring key
+blocks only. Our class then runs vLLM's own QSA attention (`model.attention.load_qsa_attention_cls`); every
+other engine test keeps `max_model_len` within the budget, where dense attention is exact. Here a tiny INT8
+checkpoint with the release's budget (2048, blocks of 4) serves three long prompts and two short ones in one
+batch with 1024-token steps, so the long prefills run in chunks beside the short ones' decode steps; every
+step's top-5 logprobs are compared with transformers (fp32, its own QSA indexer) within `helpers.scenarios.LONG`.
+The same engine with dense attention patched in beyond the budget (the fault QSA guards against) must fail it.
+
+    source .gpu-vllm/setup.sh && source tests/gpu_cute_dsl.sh install && python3 -m pytest -s tests/test_vllm_long_context.py
+(vLLM's QSA kernels need the CuTe DSL and FlashAttention 3: `tests/gpu_cute_dsl.sh` brings both to the GPU machine.)
+"""
+
+import pytest
+import torch
+
+from helpers import engines
+from helpers.scenarios import GPU_ENGINE, LONG, logprob_errors
+from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+BUDGET = 2048  # the release's indexer_budget
+LENGTHS = (3000, 5000, 8000, 5, 40)  # three beyond the budget, two short ones decoding beside their prefills
+MAX_NEW_TOKENS = 16
+MAX_MODEL_LEN = 8192 + 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("QSA attention runs on CUDA-alike accelerators only")
+    return make_tiny_int8_checkpoint(
+        tmp_path_factory.mktemp("long") / "int8", indexer_budget=BUDGET, max_position_embeddings=MAX_MODEL_LEN
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def serve(checkpoint, prompts) -> list[dict]:
+    """One concurrent batch through a fresh engine in this process (where a fault can be patched in)."""
+    from vllm import SamplingParams
+
+    env = {engines.MULTIPROCESSING: "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    llm = engines.start(checkpoint, env=env, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024,
+                        max_num_seqs=len(prompts), seed=0, **GPU_ENGINE)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        attention = llm.apply_model(lambda model: type(model.model.layers[1].self_attn).__name__)[0]
+        return [{"tokens": list(o.outputs[0].token_ids), "attention": attention,
+                 "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
+                for o in outs]  # fmt: skip
+    finally:
+        engines.stop(llm)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, prompts):
+    return serve(checkpoint, prompts)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts, served, tmp_path_factory):
+    dequantized = dequantized_checkpoint(checkpoint, tmp_path_factory.mktemp("long") / "dequantized")
+    return reference_greedy(dequantized, prompts, MAX_NEW_TOKENS, [s["tokens"] for s in served])
+
+
+def errors_per_prompt(served, reference) -> list[tuple[int, float, float, bool]]:
+    rows = []
+    for out, ref, n in zip(served, reference, LENGTHS, strict=True):
+        err = logprob_errors(out["logprobs"], ref["logprobs"])
+        rows.append((n, err.mean().item(), err.max().item(), out["tokens"] == ref["tokens"]))
+        print(f"LONG-CONTEXT {n:>5} tokens ({out['attention']}): top-5 logprob err mean {rows[-1][1]:.4f} "
+              f"max {rows[-1][2]:.4f} tokens_equal={rows[-1][3]}")  # fmt: skip
+    return rows
+
+
+def test_qsa_beyond_the_budget_matches_transformers(served, reference):
+    assert {s["attention"] for s in served} == {"Qwen4ExpQSAAttention"}
+    for n, mean, worst, tokens_equal in errors_per_prompt(served, reference):
+        assert tokens_equal and mean < LONG.mean and worst < LONG.max, (n, mean, worst)
+
+
+def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, reference, monkeypatch):
+    """The fault QSA guards against: dense attention over every token of the long prompts."""
+    from qwen4_exp_hcu.model import model
+
+    monkeypatch.setattr(model, "uses_qsa", lambda vllm_config: False)
+    dense = serve(checkpoint, prompts)
+    assert {s["attention"] for s in dense} == {"DenseGatedAttention"}
+    rows = errors_per_prompt(dense, reference)
+    assert any(mean >= LONG.mean or worst >= LONG.max for n, mean, worst, _ in rows if n > BUDGET), rows
