@@ -6,7 +6,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8          our class, INT8 tables in pinned host memory, lookup prefetched on a side stream
   host_int8_serial   the same, `QWEN4_EXP_HCU_PREFETCH=0` (lookup inside the PLE layer)
   gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
+  host_fp8           our class, upstream's FP8 table layout (e4m3 rows + one table scale) in pinned host memory
   vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
+  vllm_host_fp8      vLLM's own class, the same FP8 tables in host memory
   vllm_gpu_bf16      vLLM's own class, BF16 tables in GPU memory
   host_int8_mtp      host_int8 with MTP speculative decoding (3 draft tokens) from an `mtp.*` head that
                      follows the synthetic target (`tiny.add_mtp_head(follow_target=True)`: nearly every
@@ -16,19 +18,23 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      resident (from served traffic), the rest read from the checkpoint's files per lookup
                      (`ple.file_rows`; breakable graphs only)
 Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
-run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes.
+run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and
+what the CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
+the GPU holds no copy of a host table).
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
 batch, where a decode step's time goes: wall time per step against the GPU's busy time per step (CUDA
 kernel time from torch.profiler) and the kernels that take most of it.
 
     python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
-        [--geometry release --table-gb 13] [--full-decode-only]
+        [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only]
 
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
-TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--full-decode-only`: vLLM's
-breakable graphs off and `cudagraph_mode=FULL_DECODE_ONLY`, where a decode step is one graph and wall time
-tracks GPU time (decode speed ratios belong there; breakable graphs' wall clock swings on this engine).
+TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--graph-mode` (`GRAPH_MODES`):
+vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagraph_mode=FULL_DECODE_ONLY`: a decode
+step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
+swings on this engine), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
+the CuTe DSL on the GPU machine (`tests/gpu_cute_dsl.sh`).
 """
 
 from __future__ import annotations
@@ -49,14 +55,24 @@ VARIANTS = {
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
     **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100}, "int8") for p in (50, 20, 5)},
+    "host_fp8": ({}, {}, "fp8"),
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
     "vllm_host_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"hf_overrides": {"output_gate_type": "silu"}}, "bf16"),
+    "vllm_host_fp8": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"hf_overrides": {"output_gate_type": "silu"}}, "fp8"),
     "vllm_gpu_bf16": (
         {"QWEN4_EXP_HCU_DISABLE": "1"},
         {"hf_overrides": {"output_gate_type": "silu"}, "engram_config": {"cpu_offload": False}},
         "bf16",
     ),
 }
+# name: (environment, compilation_config entries, enforce_eager)
+GRAPH_MODES = {
+    "breakable": ({}, {}, False),  # vLLM's default for Qwen4Exp architectures
+    "full_decode_only": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, False),
+    "full_and_piecewise": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}, False),
+    "piecewise": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"mode": 3, "cudagraph_mode": "PIECEWISE"}, False),
+    "eager": ({}, {}, True),
+}  # fmt: skip
 # Real per-layer shapes (hidden, hc, PLE head geometry); depth, experts and vocab cut to fit the time.
 MODEL = dict(
     vocab_size=32000, hidden_size=2048, hc_count=4, hc_lowrank=32, num_hidden_layers=4,
@@ -142,13 +158,12 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
     }
 
 
-def worker(variant: str, checkpoint: str, out: str, profile: bool, full_decode_only: bool, vocab_size: int) -> None:
+def worker(variant: str, checkpoint: str, out: str, profile: bool, graph_mode: str, memory_only: bool,
+           vocab_size: int) -> None:  # fmt: skip
     env, engine, _ = VARIANTS[variant]
-    os.environ.update(env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    compilation_config = dict(ENGINE["compilation_config"])
-    if full_decode_only:
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
-        compilation_config["cudagraph_mode"] = "FULL_DECODE_ONLY"
+    mode_env, mode_compilation, eager = GRAPH_MODES[graph_mode]
+    os.environ.update(env, **mode_env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    compilation_config = {**ENGINE["compilation_config"], **mode_compilation}
     import torch
     from vllm import LLM, SamplingParams
 
@@ -161,8 +176,15 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool, full_decode_o
         ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
         additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}
     llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config,
-                                   "compilation_config": compilation_config}, disable_log_stats=False)  # fmt: skip
+                                   "compilation_config": compilation_config}, enforce_eager=eager, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0
+    graphs = {"cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
+              "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
+              "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1"}  # fmt: skip
+    if memory_only:
+        result = {"variant": variant, "startup_s": startup, "bytes": llm.apply_model(tensor_bytes)[0], **graphs}
+        Path(out).write_text(json.dumps(result))
+        os._exit(0)
     gen = torch.Generator().manual_seed(0)
 
     def timed(prompts, max_tokens, repeats=REPEATS):
@@ -192,9 +214,7 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool, full_decode_o
         prefill[n] = n / timed([rand(n)], 1)
     result = {
         "variant": variant, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
-        "bytes": llm.apply_model(tensor_bytes)[0],
-        "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
-        "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+        "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
         **spec_decode_counters(llm),
         **({"decode_profile": profiles} if profile else {}),
     }  # fmt: skip
@@ -211,18 +231,65 @@ def spec_decode_counters(llm) -> dict:
     return {"spec_decode": {**c, "acceptance_rate": c["num_accepted_tokens"] / c["num_draft_tokens"]}}
 
 
-def write_checkpoints(workdir: Path, model: dict) -> dict[str, Path]:
-    """Checkpoint by kind: int8 (the quantizer leaves its BF16 source beside it), int8 with an MTP head, bf16."""
+def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, Path]:
+    """Checkpoint by kind (those `kinds` asks for): int8 (the quantizer leaves its BF16 source beside it), int8
+    with an MTP head, bf16, fp8 (upstream's FP8 table layout, from the BF16 source)."""
     import shutil
 
     from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_int8_checkpoint
 
-    int8, mtp = workdir / "bench-int8", workdir / "bench-int8-mtp"
+    int8, mtp, fp8 = workdir / "bench-int8", workdir / "bench-int8-mtp", workdir / "bench-fp8"
+    bf16 = int8.with_name(f"{int8.name}-bf16")
     if not (int8 / "config.json").exists():
         make_tiny_int8_checkpoint(int8, **model)
-    if not (mtp / "config.json").exists():
+    if "int8_mtp" in kinds and not (mtp / "config.json").exists():
         add_mtp_head(shutil.copytree(int8, mtp, dirs_exist_ok=True), follow_target=True)
-    return {"int8": int8, "int8_mtp": mtp, "bf16": int8.with_name(f"{int8.name}-bf16")}
+    if "fp8" in kinds and not (fp8 / "config.json").exists():
+        write_fp8_tables(bf16, fp8)
+    return {"int8": int8, "int8_mtp": mtp, "bf16": bf16, "fp8": fp8}
+
+
+def write_fp8_tables(src: Path, dst: Path) -> None:
+    """SRC with its PLE tables in upstream's FP8 layout, as the FP8 release stores them: e4m3 rows and ONE bf16
+    `weight_scale` of shape [1] per table (amax / 448 over all of its shards), declared by the text config's
+    `ple_embedding_dtype`. A benchmark input (the tests check this layout against upstream's loader)."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files = sorted(src.glob("*.safetensors"))
+    is_shard = lambda name: ".ngram_embedding.shard_" in name and name.endswith(".weight")  # noqa: E731
+    amax = {}
+    for f in files:
+        with safe_open(f, "pt") as st:
+            for name in filter(is_shard, st.keys()):
+                table = name.rsplit(".shard_", 1)[0]
+                amax[table] = max(amax.get(table, 0.0), st.get_tensor(name).float().abs().max().item())
+    scales = {t: torch.tensor([a / 448], dtype=torch.bfloat16) for t, a in amax.items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    index = src / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    for f in files:
+        with safe_open(f, "pt") as st:
+            tensors = {name: st.get_tensor(name) for name in st.keys()}
+        for name in [n for n in tensors if is_shard(n)]:
+            table = name.rsplit(".shard_", 1)[0]
+            tensors[name] = (tensors[name].float() / scales[table].float()).to(torch.float8_e4m3fn)
+            if f"{table}.weight_scale" not in (weight_map or {}):
+                tensors[f"{table}.weight_scale"] = scales[table]
+                if weight_map is not None:
+                    weight_map[f"{table}.weight_scale"] = f.name
+        save_file(tensors, dst / f.name, metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", index.name) and f.is_file():
+            shutil.copy2(f, dst / f.name)
+    if weight_map is not None:
+        index_doc = json.loads(index.read_text())
+        (dst / index.name).write_text(json.dumps({**index_doc, "weight_map": weight_map}, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "ple_embedding_dtype": "float8_e4m3fn"}, indent=2))
 
 
 def versions() -> dict:
@@ -246,7 +313,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = {k: r for k, r in results.items() if "error" not in r}
+    ok = {k: r for k, r in results.items() if "decode_tokens_per_s" in r}  # not failed, not `--memory-only`
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(ok), 1)
     for ax, key, groups, title in (
@@ -263,21 +330,21 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_results(results: dict, out: Path, model: dict, full_decode_only: bool) -> None:
+def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
     """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / "bench_serve.json").exists():
         results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
-    for name in ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows"):
-        for ref in ("host_int8", "gpu_int8", "vllm_host_bf16"):
+    for name in ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8"):
+        for ref in ("host_int8", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
                 ratios[f"{name}/{ref}"] = {
                     b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
                     for b in DECODE_BATCHES
                 }
     doc = {"machine": versions(), "model": model, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
-           "full_decode_only": full_decode_only, "results": results, "decode_ratios": ratios}  # fmt: skip
+           "graph_mode": graph_mode, "results": results, "decode_ratios": ratios}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
         plot(results, out / "bench_serve.png")
@@ -295,21 +362,23 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile one decode run per batch")
     parser.add_argument("--geometry", choices=["synthetic", "release"], default="synthetic")
     parser.add_argument("--table-gb", type=float, default=13.0, help="with --geometry release: INT8 table GB")
-    parser.add_argument("--full-decode-only", action="store_true", help="FULL_DECODE_ONLY graphs, breakable off")
+    parser.add_argument("--graph-mode", choices=GRAPH_MODES, default="breakable")
+    parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     if args.worker:
-        return worker(args.worker, args.checkpoint, args.result, args.profile, args.full_decode_only, model["vocab_size"])
+        return worker(args.worker, args.checkpoint, args.result, args.profile, args.graph_mode, args.memory_only,
+                      model["vocab_size"])  # fmt: skip
     if args.plot_only:
         return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
 
     workdir = Path(args.workdir) / (f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic")
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    checkpoints = write_checkpoints(workdir, model)
+    checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
     results = {}
     for name in args.variants:
@@ -317,7 +386,8 @@ def main() -> None:
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
-        cmd += (["--profile"] if args.profile else []) + (["--full-decode-only"] if args.full_decode_only else [])
+        cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
+        cmd += ["--memory-only"] if args.memory_only else []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr
@@ -330,7 +400,7 @@ def main() -> None:
             lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
             results[name] = {"error": (lines[-1] if lines else str(log)[-500:]).strip()}
         print(name, json.dumps(results[name]), flush=True)
-        write_results(results, Path(args.out), model, args.full_decode_only)  # after every variant: a cut-off run keeps what it measured
+        write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":
