@@ -30,7 +30,8 @@ kernel time from torch.profiler) and the kernels that take most of it.
 
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
-TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--graph-mode` (`GRAPH_MODES`):
+TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--layers 48`: the release's depth
+(4 by default), where one PLE lookup per step weighs what it does in the release. `--graph-mode` (`GRAPH_MODES`):
 vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagraph_mode=FULL_DECODE_ONLY`: a decode
 step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
 swings on this engine), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
@@ -363,19 +364,25 @@ def main() -> None:
     parser.add_argument("--geometry", choices=["synthetic", "release"], default="synthetic")
     parser.add_argument("--table-gb", type=float, default=13.0, help="with --geometry release: INT8 table GB")
     parser.add_argument("--graph-mode", choices=GRAPH_MODES, default="breakable")
+    parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"],
+                        help="decoder layers (the release has 48; one PLE layer, the third, either way)")
     parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
+    if args.layers != model["num_hidden_layers"]:  # the release's pattern: three GDN layers, then one attention
+        model = {**model, "num_hidden_layers": args.layers,
+                 "layer_types": [MODEL["layer_types"][i % 4] for i in range(args.layers)]}  # fmt: skip
     if args.worker:
         return worker(args.worker, args.checkpoint, args.result, args.profile, args.graph_mode, args.memory_only,
                       model["vocab_size"])  # fmt: skip
     if args.plot_only:
         return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
 
-    workdir = Path(args.workdir) / (f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic")
+    geometry = f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic"
+    workdir = Path(args.workdir) / f"{geometry}-{model['num_hidden_layers']}layers"  # checkpoints are kept per model
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
