@@ -31,7 +31,7 @@ import torch.distributed as dist
 from helpers.configs import EOS, tiny_text_config
 from helpers.dist import CountingGroup, Topology, compare_steps, init_process_group, spawn_workers, write_result
 from helpers.faults import double_last_ranks_rows
-from helpers.layers import ple_state_dict
+from helpers.layers import load_state_dicts, ple_state_dict, save_state_dicts
 from helpers.steps import schedule_step
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup, TorchGroup
@@ -189,7 +189,7 @@ def _etp_worker(rank, world, tmp, weights_path, fault=False):
     if fault:
         double_last_ranks_rows()
     init_process_group("gloo", rank, world, tmp)
-    cfg, sds = tiny_text_config(), torch.load(weights_path)
+    cfg, sds = tiny_text_config(), load_state_dicts(weights_path)
     result = {"rank": rank, "failures": [], "cases": {}}
     failures = result["failures"]
     refs = _build(cfg, sds, None, False)
@@ -249,8 +249,8 @@ def weights(tmp_path_factory):
     for i, _ in LAYERS:
         spec = NgramHashSpec.from_config(cfg, i)
         assert (spec.num_heads, spec.head_dim) == (HEADS, HEAD_DIM)  # what the hand byte counts assume
-    path = tmp_path_factory.mktemp("etp_weights") / "weights.pt"
-    torch.save([ple_state_dict(cfg, i, q, seed=10 + i) for i, q in LAYERS], path)
+    path = tmp_path_factory.mktemp("etp_weights") / "weights.safetensors"
+    save_state_dicts([ple_state_dict(cfg, i, q, seed=10 + i) for i, q in LAYERS], path)
     return path
 
 

@@ -33,6 +33,26 @@ def ple_state_dict(cfg, ple_index: int = 1, quantized: bool = False, seed: int =
     return sd
 
 
+def save_state_dicts(state_dicts: list[dict[str, torch.Tensor]], path) -> None:
+    """Several layers' `ple_state_dict`s in one safetensors file (keys `{i}/{name}`), for worker processes."""
+    from safetensors.torch import save_file
+
+    flat = {f"{i}/{k}": v.clone(memory_format=torch.contiguous_format)
+            for i, sd in enumerate(state_dicts) for k, v in sd.items()}  # fmt: skip
+    save_file(flat, str(path))
+
+
+def load_state_dicts(path) -> list[dict[str, torch.Tensor]]:
+    """What `save_state_dicts` wrote, in its order."""
+    from safetensors.torch import load_file
+
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(path)).items():
+        i, name = key.split("/", 1)
+        layers.setdefault(int(i), {})[name] = value
+    return [layers[i] for i in sorted(layers)]
+
+
 def make_pair(cfg, ple_index=1, quantized=False, seed=0, **storage):
     """(transformers layer in fp32, our layer) loaded from one `ple_state_dict`; transformers' table holds
     the rows our shards decode to (INT8: dequantized), so both compute the same function. Seeds the global

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from benchmarks.bench_etp import capture, time_ms
 from helpers.configs import tiny_text_config
 from helpers.dist import Topology, compare_steps, init_process_group, max_abs_diff, spawn_workers, write_result
-from helpers.layers import ple_state_dict
+from helpers.layers import load_state_dicts, ple_state_dict, save_state_dicts
 from helpers.steps import schedule_step
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup
@@ -214,7 +214,7 @@ def nccl_worker(rank, world, tmp, weights_path, topologies):
     init_process_group("nccl", rank, world, tmp, device_id=dev)
     result = {"rank": rank, "failures": [], "cases": {}, "device": torch.cuda.get_device_name(dev)}
     try:
-        cfg, sds = tiny_text_config(), torch.load(weights_path)
+        cfg, sds = tiny_text_config(), load_state_dicts(weights_path)
         refs = _build_gpu(cfg, sds, dev, None, False)
         static = StaticBatch(cfg.hidden_size * cfg.hc_count, dev)
         ref_states = _new_states(refs, dev)
@@ -263,8 +263,8 @@ def run_nccl_workers(tmp_path: Path, world: int, topologies) -> tuple[list[dict]
     if not dist.is_nccl_available():
         pytest.skip("NCCL not available")
     cfg = tiny_text_config()
-    weights = tmp_path / "weights.pt"
-    torch.save([ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
+    weights = tmp_path / "weights.safetensors"
+    save_state_dicts([ple_state_dict(cfg, i, q, seed=10 + i) for i, q in NCCL_LAYERS], weights)
     t0 = time.perf_counter()
     results = spawn_workers(nccl_worker, world, tmp_path / "run", str(weights), topologies, start_method="spawn")
     failures = [f for r in results for f in r["failures"]]
