@@ -9,8 +9,8 @@ different lengths, 32 decode steps, a prefix-cache hit) in its own process (`vll
 share the GPU at once. One more engine runs with the PLE state carry broken on purpose and must fail the
 same comparison, which shows the tolerance is sensitive to PLE state faults; further engines read every PLE
 row 2 % too large (the subtle fault the tolerances are calibrated on) and must fail their mode's bounds, and
-the torch.compile modes run once more with Inductor's `emulate_precision_casts` (do their larger errors come
-from rounding in fused kernels?).
+the torch.compile modes run once more with Inductor's `emulate_precision_casts`, where they give eager's figures
+(2026-12-01): their larger errors are the rounding of Inductor's fused kernels.
 
 Runs unchanged on a machine with vLLM 0.33 installed, or through `../shared/gpu-vllm`:
 `source .gpu-vllm/setup.sh && python3 -m pytest -s -m "gpu and vllm" tests/test_vllm_gpu.py`
@@ -239,8 +239,8 @@ def test_rows_two_percent_off_are_caught(mode, runs, reference, record):
 
 @pytest.mark.parametrize("mode", COMPILED_MODES)
 def test_compiled_modes_with_emulated_casts(mode, runs, reference, record):
-    """torch.compile with Inductor rounding as eager does (`emulate_precision_casts`): if the compiled modes'
-    larger errors are fused-kernel rounding, they fall to the eager-like modes' bounds here."""
+    """torch.compile with Inductor rounding as eager does (`emulate_precision_casts`): the compiled modes' larger
+    errors are fused-kernel rounding, so here they fall to the eager-like modes' bounds (H200: eager's 0.0069 / 0.034)."""
     key = (mode, True, "emulated")
     result = runs[key].result()
     assert "error" not in result, result.get("error")

@@ -5,9 +5,10 @@ Run by `tests/test_vllm_gpu.py`, one subprocess per (mode, prefetch), because vL
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else, and
 `--rows-fault F` can read every PLE row F times too large (`helpers.faults`: the subtle fault `TINY` is calibrated on).
 `--emulate-precision-casts` asks Inductor to round its fused kernels' intermediates to bf16 as eager does (torch.compile
-modes only): whether the compiled modes' larger errors are rounding.
+modes only; they then give eager's figures: their larger errors are that rounding).
 
     python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault] [--rows-fault 1.02]
+        [--emulate-precision-casts]
 """
 
 import argparse
