@@ -1,12 +1,13 @@
 """PLE lookups with rows read from the checkpoint's files (`ple.file_rows`) against the whole table in host memory.
 
-    python benchmarks/bench_file_tier.py [--table-gb 2] [--tokens 256] [--steps 64] [--dir /tmp/file-tier]
-                                         [--out benchmarks/results]
+    python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
+                                         [--dir /tmp/file-tier] [--out benchmarks/results]
 
 Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row) as
 safetensors shards under `--dir`, then looks up the n-gram row ids of `--tokens` tokens per step (a decode step
-of that batch) for `--steps` steps, on natural text (benchmarks/data/text_tokens.safetensors) and on uniform
-token ids, with 100 / 50 / 20 / 5 % of the table resident (calibrated on the text that follows), against the
+of that batch) for `--steps` steps, on natural text (benchmarks/data/text_tokens.safetensors), Zipf(1.1) and
+uniform token ids, with 100 / 50 / 20 / 5 % of the table resident (chosen from the `--calib-tokens` tokens of the
+same stream that follow the measured ones), against the
 whole table pinned in host memory. Cold: the files' page cache dropped first (`posix_fadvise(DONTNEED)`);
 warm: the same steps again. Reported: ms per lookup, GB/s of useful bytes (row + scale per token and head),
 the ratio to the whole table, the host side's share of it (ids to the host + rows from the files into staging,
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--table-gb", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--calib-tokens", type=int, default=131072, help="tokens the resident rows are chosen from")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -94,7 +96,7 @@ def main() -> None:
     write_table(directory, rows, shard_rows)
     gen = torch.Generator().manual_seed(0)
     n = args.tokens * args.steps
-    streams = {k: v for k, v in token_streams(2 * n, gen).items() if k in ("text", "uniform")}
+    streams = token_streams(n + args.calib_tokens, gen)
     context = torch.full((1, spec.context_len), cfg.eos_token_id)
 
     def ids_of(tokens):
@@ -106,7 +108,7 @@ def main() -> None:
     for stream, tokens in streams.items():
         ids = ids_of(tokens[:n])
         steps = list(ids.reshape(args.steps, args.tokens, HEADS))
-        calibration = ids_of(tokens[n:])  # the text that follows (uniform: more uniform ids)
+        calibration = ids_of(tokens[n:])  # the same stream's tokens that follow the measured ones
         base = timed_lookups(whole, steps)
         results.append(dict(stream=stream, share=None, phase="whole", s=base, gbps=useful / base / 1e9))
         print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {useful / base / 1e9:6.2f} GB/s", flush=True)
@@ -131,7 +133,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = f"file_tier_{device}"
     report = {
-        "command": f"python benchmarks/bench_file_tier.py --table-gb {args.table_gb:g} --tokens {args.tokens} --steps {args.steps}",
+        "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
+                   f"--steps {args.steps} --calib-tokens {args.calib_tokens}",
         "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                     "cpus": __import__("os").cpu_count(), "torch": torch.__version__},  # fmt: skip
         "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": whole.nbytes, "shards": SHARDS},
@@ -148,7 +151,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for stream in ("text", "uniform"):
+    for stream in dict.fromkeys(r["stream"] for r in report["results"]):
         for phase, style in (("warm", "-o"), ("cold", "--x")):
             pts = [(r["share"] * 100, r["vs_whole"]) for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
             if pts:
