@@ -232,22 +232,91 @@ def spec_decode_counters(llm) -> dict:
     return {"spec_decode": {**c, "acceptance_rate": c["num_accepted_tokens"] / c["num_draft_tokens"]}}
 
 
+SMALL_TABLE_BASE = 1000  # rows per head of the tables written through transformers (then grown, `grow_tables`)
+
+
 def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, Path]:
-    """Checkpoint by kind (those `kinds` asks for): int8 (the quantizer leaves its BF16 source beside it), int8
-    with an MTP head, bf16, fp8 (upstream's FP8 table layout, from the BF16 source)."""
+    """Checkpoint by kind (those `kinds` asks for): int8, int8 with an MTP head, bf16, fp8 (upstream's FP8 table
+    layout). Each is written with small PLE tables (transformers would build a multi-GB table in fp32 first),
+    then its tables grow to the model's size, written shard by shard (`grow_tables`)."""
     import shutil
 
     from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_int8_checkpoint
 
-    int8, mtp, fp8 = workdir / "bench-int8", workdir / "bench-int8-mtp", workdir / "bench-fp8"
-    bf16 = int8.with_name(f"{int8.name}-bf16")
-    if not (int8 / "config.json").exists():
-        make_tiny_int8_checkpoint(int8, **model)
-    if "int8_mtp" in kinds and not (mtp / "config.json").exists():
-        add_mtp_head(shutil.copytree(int8, mtp, dirs_exist_ok=True), follow_target=True)
-    if "fp8" in kinds and not (fp8 / "config.json").exists():
-        write_fp8_tables(bf16, fp8)
-    return {"int8": int8, "int8_mtp": mtp, "bf16": bf16, "fp8": fp8}
+    small = workdir / "small"
+    small_int8, small_mtp, small_fp8 = small / "int8", small / "int8-mtp", small / "fp8"
+    small_bf16 = small_int8.with_name(f"{small_int8.name}-bf16")
+    if not (small_int8 / "config.json").exists():
+        make_tiny_int8_checkpoint(small_int8, **{**model, "ngram_vocab_size_base": SMALL_TABLE_BASE})
+    if "int8_mtp" in kinds and not (small_mtp / "config.json").exists():
+        add_mtp_head(shutil.copytree(small_int8, small_mtp, dirs_exist_ok=True), follow_target=True)
+    if "fp8" in kinds and not (small_fp8 / "config.json").exists():
+        write_fp8_tables(small_bf16, small_fp8)
+    sources = {"int8": small_int8, "int8_mtp": small_mtp, "bf16": small_bf16, "fp8": small_fp8}
+    out = {kind: workdir / f"bench-{kind}" for kind in sources}
+    for kind in kinds:
+        if not (out[kind] / "config.json").exists():
+            grow_tables(sources[kind], out[kind], model["ngram_vocab_size_base"])
+    return out
+
+
+def grow_tables(src: Path, dst: Path, base: int) -> None:
+    """SRC with PLE tables of `base` rows per head (the hash buffers of that vocab; random rows in SRC's table
+    format: BF16, INT8 + bf16 row scales, or FP8 + SRC's one table scale), one safetensors file per table shard,
+    written one at a time, so a table of many GB never sits in memory whole. The other tensors are SRC's."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.names import SCALE_SUFFIX, SHARD, TABLE, ple_layers
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.tiny import load_config
+
+    dst.mkdir(parents=True, exist_ok=True)
+    config = {**json.loads((src / "config.json").read_text()), "ngram_vocab_size_base": base}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    text = load_config(dst / "config.json")
+    tensors, dtypes = {}, {}  # SRC's tensors but the table shards; each shard's stored dtype
+    for f in src.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                if SHARD.search(k):
+                    dtypes[k] = st.get_slice(k).get_dtype()
+                else:
+                    tensors[k] = st.get_tensor(k)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for layer in ple_layers(text):
+        spec = NgramHashSpec.from_config(text, layer.ple)
+        prefix = f"{layer.prefix}ple_embedding."
+        for name, values in zip(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"),
+                                (spec.multipliers, spec.head_sizes, spec.head_offsets)):  # fmt: skip
+            tensors[prefix + name] = torch.tensor(values, dtype=torch.int64)
+        dtype = dtypes[f"{layer.prefix}{TABLE}.shard_0.weight"]  # the table's format
+        parts = text.split_ngram_parts
+        per = -(-spec.rows // parts)
+        for j in range(parts):
+            n, name = min(per, spec.rows - j * per), f"{layer.prefix}{TABLE}.shard_{j}.weight"
+            shard = {}
+            if dtype == "I8":
+                shard[name] = torch.randint(-127, 128, (n, spec.head_dim), dtype=torch.int8, generator=gen)
+                scale = (torch.rand(n, 1, generator=gen) * 0.02).to(torch.bfloat16)
+                shard[name.removesuffix("weight") + SCALE_SUFFIX] = scale
+            else:
+                rows = torch.randn(n, spec.head_dim, generator=gen) * (1.0 if dtype == "F8_E4M3" else 0.3)
+                shard[name] = rows.to(torch.float8_e4m3fn if dtype == "F8_E4M3" else torch.bfloat16)
+            file = f"ple-{layer.decoder}-{j:04d}.safetensors"
+            save_file(shard, str(dst / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, "model.safetensors"))
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def write_fp8_tables(src: Path, dst: Path) -> None:
