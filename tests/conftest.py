@@ -112,6 +112,24 @@ def vllm_process():
     cleanup_dist_env_and_memory()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def slow_starts_first(request, tmp_path_factory):
+    """Tests that mostly wait on vLLM processes starting (the README's CPU blocks, ~70 s; a failing multi-process
+    engine start, ~25 s) start them with the session when selected, so the waits run beside the other tests;
+    each test then takes its module's `BACKGROUND`."""
+    selected = {item.nodeid.split("::")[-1] for item in request.session.items}
+    if "test_readme_cpu_blocks_run_as_written" in selected:
+        import test_readme
+
+        test_readme.BACKGROUND = test_readme.start_in_background(tmp_path_factory.mktemp("readme"))
+    if "test_failed_engine_start_ends_with_its_root_cause" in selected:
+        import test_vllm_errors
+
+        tiny = request.getfixturevalue("tiny")
+        test_vllm_errors.BACKGROUND = test_vllm_errors.start_in_background(tiny, tmp_path_factory.mktemp("no-scale"))
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     n_gpu = torch.cuda.device_count()
     for item in items:

@@ -1,7 +1,7 @@
 """The README's CPU commands run as written: every fenced block right after a `<!-- readme-test -->` line,
 from the repository root (bash blocks with `bash -e`, Python blocks as a script file, the way the README
 says to run them). The first block writes the tiny checkpoint the later ones use; on the CPU they run, in
-README order, while the first one serves it."""
+README order, while the first one serves it, and the session starts them first, beside the other tests."""
 
 import os
 import re
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,12 +60,10 @@ def run_block(i: int, kind: str, code: str, tmp_path: Path, env: dict) -> subpro
     return finish_block(i, kind, code, tmp_path, start_block(i, kind, code, tmp_path, env))
 
 
-def test_readme_cpu_blocks_run_as_written(tmp_path):
+def run_cpu_blocks(tmp_path: Path) -> None:
     """The first block writes the checkpoint, then serves it (the slowest step, ~40 s of process starts on
     2 cores): it runs while the later blocks run, started once its first output line is out, which the
     checkpoint line (it prints the path) or the `--help` line after it writes."""
-    if not (ROOT / ".venv/bin/activate").exists():
-        pytest.skip("the README's commands use the .venv that `make test` creates")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     (kind, code), *later = readme_blocks()
     first = start_block(0, kind, code, tmp_path, env)
@@ -80,6 +79,26 @@ def test_readme_cpu_blocks_run_as_written(tmp_path):
         if first.poll() is None:  # a later block failed: stop the first one and the server it started
             os.killpg(first.pid, signal.SIGTERM)
             first.wait()
+
+
+def start_in_background(tmp_path: Path) -> Future | None:
+    """`run_cpu_blocks` in a thread, for the session to start first (`conftest.py`): its ~70 s are mostly
+    process starts and waits, which then run beside the other tests. None where the test skips."""
+    if not (ROOT / ".venv/bin/activate").exists():
+        return None
+    return ThreadPoolExecutor(1, thread_name_prefix="readme").submit(run_cpu_blocks, tmp_path)
+
+
+BACKGROUND: Future | None = None  # set by conftest.py when this module's CPU test is selected
+
+
+def test_readme_cpu_blocks_run_as_written(tmp_path):
+    if not (ROOT / ".venv/bin/activate").exists():
+        pytest.skip("the README's commands use the .venv that `make test` creates")
+    if BACKGROUND is None:
+        run_cpu_blocks(tmp_path)
+    else:
+        BACKGROUND.result()
 
 
 @pytest.mark.gpu

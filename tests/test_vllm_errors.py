@@ -37,28 +37,36 @@ def int8_path(tiny):
     return tiny["int8"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def failed_start(int8_path, tmp_path_factory):
+def start_in_background(tiny: dict, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """A real multi-process engine start of a checkpoint without a table scale, as a user's script runs it, and
-    the file its output goes to (`test_failed_engine_start_ends_with_its_root_cause` reads how it ended).
-    Started with the module, so its ~30 s of process starts run beside the other tests here."""
+    the file its output goes to (`test_failed_engine_start_ends_with_its_root_cause` reads how it ended). The
+    session starts it first (`conftest.py`), so its ~25 s of process starts run beside the other tests."""
     from safetensors.torch import load_file, save_file
 
-    broken = tmp_path_factory.mktemp("no-scale") / "ckpt"
-    shutil.copytree(int8_path, broken)
+    broken = tmp_path / "ckpt"
+    shutil.copytree(tiny["int8"], broken)
     weights = load_file(broken / "model.safetensors")
     del weights[SCALE.format(0)]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     script = f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={str(broken)!r}, max_model_len=256)\n"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     env.pop("_QWEN4_EXP_HCU_START_REPORT", None)  # this test process's own engine starts are not the script's
-    log = broken.with_name("output.txt")
+    log = tmp_path / "output.txt"
     with open(log, "w") as out:  # vLLM logs to stdout, tracebacks go to stderr: the terminal shows both, interleaved
         run = subprocess.Popen(
             [sys.executable, "-c", script], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    return run, log
+
+
+BACKGROUND: tuple[subprocess.Popen, Path] | None = None  # set by conftest.py when the test below is selected
+
+
+@pytest.fixture(scope="module")
+def failed_start(tiny, tmp_path_factory):
+    run, log = BACKGROUND or start_in_background(tiny, tmp_path_factory.mktemp("no-scale"))
     yield run, log
-    if run.poll() is None:  # its test did not run: stop the script and the engine processes it started
+    if run.poll() is None:  # its test did not finish: stop the script and the engine processes it started
         os.killpg(run.pid, signal.SIGTERM)
         run.wait()
 
