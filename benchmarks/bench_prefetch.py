@@ -1,6 +1,6 @@
 """Does the prefetch hide an offloaded PLE lookup? Step time of a decoder stack, three table set-ups.
 
-    python benchmarks/bench_prefetch.py [--table-gb 12] [--layers 40] [--ple-layers 1,21] [--out benchmarks/results]
+    python -m benchmarks.bench_prefetch [--table-gb 12] [--layers 40] [--ple-layers 1,21] [--out benchmarks/results]
 
 A stack of `--layers` decoder-layer stand-ins (hidden 2048, a dense up/down matmul pair of `--ffn` width:
 ~0.54 GB of bf16 weights per layer, less than a real Qwen4Exp MoE layer reads at decode, so hiding the
