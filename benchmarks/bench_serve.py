@@ -244,26 +244,26 @@ def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, 
     from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_int8_checkpoint
 
     small = workdir / "small"
-    small_int8, small_mtp, small_fp8 = small / "int8", small / "int8-mtp", small / "fp8"
+    small_int8, small_mtp = small / "int8", small / "int8-mtp"
     small_bf16 = small_int8.with_name(f"{small_int8.name}-bf16")
     if not (small_int8 / "config.json").exists():
         make_tiny_int8_checkpoint(small_int8, **{**model, "ngram_vocab_size_base": SMALL_TABLE_BASE})
     if "int8_mtp" in kinds and not (small_mtp / "config.json").exists():
         add_mtp_head(shutil.copytree(small_int8, small_mtp, dirs_exist_ok=True), follow_target=True)
-    if "fp8" in kinds and not (small_fp8 / "config.json").exists():
-        write_fp8_tables(small_bf16, small_fp8)
-    sources = {"int8": small_int8, "int8_mtp": small_mtp, "bf16": small_bf16, "fp8": small_fp8}
+    sources = {"int8": small_int8, "int8_mtp": small_mtp, "bf16": small_bf16, "fp8": small_bf16}
     out = {kind: workdir / f"bench-{kind}" for kind in sources}
     for kind in kinds:
         if not (out[kind] / "config.json").exists():
-            grow_tables(sources[kind], out[kind], model["ngram_vocab_size_base"])
+            grow_tables(sources[kind], out[kind], model["ngram_vocab_size_base"], fp8=kind == "fp8")
     return out
 
 
-def grow_tables(src: Path, dst: Path, base: int) -> None:
+def grow_tables(src: Path, dst: Path, base: int, fp8: bool = False) -> None:
     """SRC with PLE tables of `base` rows per head (the hash buffers of that vocab; random rows in SRC's table
-    format: BF16, INT8 + bf16 row scales, or FP8 + SRC's one table scale), one safetensors file per table shard,
-    written one at a time, so a table of many GB never sits in memory whole. The other tensors are SRC's."""
+    format, BF16 or INT8 + bf16 row scales, or with `fp8` in upstream's FP8 layout as the FP8 release stores it:
+    e4m3 rows, ONE bf16 `weight_scale` [1] per table, `ple_embedding_dtype` in the config), one safetensors file
+    per table shard, written one at a time, so a table of many GB never sits in memory whole. The other tensors
+    are SRC's."""
     import shutil
 
     import torch
@@ -276,6 +276,8 @@ def grow_tables(src: Path, dst: Path, base: int) -> None:
 
     dst.mkdir(parents=True, exist_ok=True)
     config = {**json.loads((src / "config.json").read_text()), "ngram_vocab_size_base": base}
+    if fp8:
+        config["ple_embedding_dtype"] = "float8_e4m3fn"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     text = load_config(dst / "config.json")
     tensors, dtypes = {}, {}  # SRC's tensors but the table shards; each shard's stored dtype
@@ -297,7 +299,9 @@ def grow_tables(src: Path, dst: Path, base: int) -> None:
         for name, values in zip(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"),
                                 (spec.multipliers, spec.head_sizes, spec.head_offsets)):  # fmt: skip
             tensors[prefix + name] = torch.tensor(values, dtype=torch.int64)
-        dtype = dtypes[f"{layer.prefix}{TABLE}.shard_0.weight"]  # the table's format
+        dtype = "F8_E4M3" if fp8 else dtypes[f"{layer.prefix}{TABLE}.shard_0.weight"]  # the table's format
+        if fp8:
+            tensors[f"{layer.prefix}{TABLE}.weight_scale"] = torch.tensor([0.01], dtype=torch.bfloat16)
         parts = text.split_ngram_parts
         per = -(-spec.rows // parts)
         for j in range(parts):
@@ -317,49 +321,6 @@ def grow_tables(src: Path, dst: Path, base: int) -> None:
     weight_map.update(dict.fromkeys(tensors, "model.safetensors"))
     index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def write_fp8_tables(src: Path, dst: Path) -> None:
-    """SRC with its PLE tables in upstream's FP8 layout, as the FP8 release stores them: e4m3 rows and ONE bf16
-    `weight_scale` of shape [1] per table (amax / 448 over all of its shards), declared by the text config's
-    `ple_embedding_dtype`. A benchmark input (the tests check this layout against upstream's loader)."""
-    import shutil
-
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    files = sorted(src.glob("*.safetensors"))
-    is_shard = lambda name: ".ngram_embedding.shard_" in name and name.endswith(".weight")  # noqa: E731
-    amax = {}
-    for f in files:
-        with safe_open(f, "pt") as st:
-            for name in filter(is_shard, st.keys()):
-                table = name.rsplit(".shard_", 1)[0]
-                amax[table] = max(amax.get(table, 0.0), st.get_tensor(name).float().abs().max().item())
-    scales = {t: torch.tensor([a / 448], dtype=torch.bfloat16) for t, a in amax.items()}
-    dst.mkdir(parents=True, exist_ok=True)
-    index = src / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
-    for f in files:
-        with safe_open(f, "pt") as st:
-            tensors = {name: st.get_tensor(name) for name in st.keys()}
-        for name in [n for n in tensors if is_shard(n)]:
-            table = name.rsplit(".shard_", 1)[0]
-            tensors[name] = (tensors[name].float() / scales[table].float()).to(torch.float8_e4m3fn)
-            if f"{table}.weight_scale" not in (weight_map or {}):
-                tensors[f"{table}.weight_scale"] = scales[table]
-                if weight_map is not None:
-                    weight_map[f"{table}.weight_scale"] = f.name
-        save_file(tensors, dst / f.name, metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json", index.name) and f.is_file():
-            shutil.copy2(f, dst / f.name)
-    if weight_map is not None:
-        index_doc = json.loads(index.read_text())
-        (dst / index.name).write_text(json.dumps({**index_doc, "weight_map": weight_map}, indent=2))
-    config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "ple_embedding_dtype": "float8_e4m3fn"}, indent=2))
 
 
 def versions() -> dict:

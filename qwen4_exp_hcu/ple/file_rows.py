@@ -158,14 +158,12 @@ class FileRows:
         """Copy owned rows (sorted) from the files into buffer rows `at...`."""
         glob = rows + self.start
         shard = glob // self.shard_rows
-        bounds = np.flatnonzero(np.diff(shard)) + 1
-        for seg in np.split(np.arange(rows.size), bounds):
-            if not seg.size:
-                continue
-            j = int(shard[seg[0]])
+        starts = np.flatnonzero(np.diff(shard, prepend=-1))  # one run of rows per checkpoint shard
+        dst = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in self.buffers.items()}
+        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), rows.size]):
+            j = int(shard[a])
             for part, mm in self.files[j].items():
-                dst = self.buffers[part].view(torch.uint8).view(self.buffers[part].shape[0], -1).numpy()
-                np.take(mm, glob[seg] - j * self.shard_rows, axis=0, out=dst[at + seg[0] : at + seg[-1] + 1])
+                np.take(mm, glob[a:b] - j * self.shard_rows, axis=0, out=dst[part][at + a : at + b])
 
     def _wait(self) -> None:
         """Buffers are rewritten only after the last lookup kernel that reads them has finished."""
