@@ -112,10 +112,13 @@ ENGINE = dict(
 
 
 def tensor_bytes(model) -> dict:
-    """GPU bytes of every parameter/buffer plus PLE tables by device (tables are not parameters)."""
+    """GPU bytes of every parameter/buffer plus PLE tables by device (tables are not parameters), and the
+    largest GPU tensors by name (where a class keeps a copy of a table, it shows)."""
     import torch
 
-    gpu = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t.is_cuda)
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    on_gpu = {n: t.numel() * t.element_size() for n, t in named.items() if t.is_cuda}
+    gpu = sum(on_gpu.values())
     tables = {"gpu": 0, "host": 0}
     from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
 
@@ -126,7 +129,8 @@ def tensor_bytes(model) -> dict:
         host = [t for t in [*model.parameters(), *model.buffers()] if not t.is_cuda]
         tables["host"] = sum(t.numel() * t.element_size() for t in host)
     return {"gpu_weights": gpu + tables["gpu"], "ple_gpu": tables["gpu"], "ple_host": tables["host"],
-            "cuda_allocated": torch.cuda.memory_allocated()}  # fmt: skip
+            "cuda_allocated": torch.cuda.memory_allocated(),
+            "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
 
 
 def profile_decode(llm, prompts, top: int = 8) -> dict:
@@ -233,12 +237,14 @@ def spec_decode_counters(llm) -> dict:
 
 
 SMALL_TABLE_BASE = 1000  # rows per head of the tables written through transformers (then grown, `grow_tables`)
+SMALL_LAYERS = 4  # decoder layers written through transformers (then repeated to the model's depth, `grow_tables`)
 
 
 def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, Path]:
     """Checkpoint by kind (those `kinds` asks for): int8, int8 with an MTP head, bf16, fp8 (upstream's FP8 table
-    layout). Each is written with small PLE tables (transformers would build a multi-GB table in fp32 first),
-    then its tables grow to the model's size, written shard by shard (`grow_tables`)."""
+    layout). Each is written through transformers with 4 layers and small PLE tables (transformers would build a
+    multi-GB table and 48 layers in fp32 first), then grows to the model's depth and table size (`grow_tables`);
+    the kinds share one copy of the decoder layers' files (hard links), so a release-depth run fits on the disk."""
     import shutil
 
     from qwen4_exp_hcu.tiny import add_mtp_head, make_tiny_int8_checkpoint
@@ -247,23 +253,32 @@ def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, 
     small_int8, small_mtp = small / "int8", small / "int8-mtp"
     small_bf16 = small_int8.with_name(f"{small_int8.name}-bf16")
     if not (small_int8 / "config.json").exists():
-        make_tiny_int8_checkpoint(small_int8, **{**model, "ngram_vocab_size_base": SMALL_TABLE_BASE})
+        make_tiny_int8_checkpoint(small_int8, **{**model, **depth(SMALL_LAYERS), "ngram_vocab_size_base": SMALL_TABLE_BASE})
     if "int8_mtp" in kinds and not (small_mtp / "config.json").exists():
         add_mtp_head(shutil.copytree(small_int8, small_mtp, dirs_exist_ok=True), follow_target=True)
     sources = {"int8": small_int8, "int8_mtp": small_mtp, "bf16": small_bf16, "fp8": small_bf16}
     out = {kind: workdir / f"bench-{kind}" for kind in sources}
     for kind in kinds:
         if not (out[kind] / "config.json").exists():
-            grow_tables(sources[kind], out[kind], model["ngram_vocab_size_base"], fp8=kind == "fp8")
+            grow_tables(sources[kind], out[kind], model, workdir / "layers", fp8=kind == "fp8")
     return out
 
 
-def grow_tables(src: Path, dst: Path, base: int, fp8: bool = False) -> None:
-    """SRC with PLE tables of `base` rows per head (the hash buffers of that vocab; random rows in SRC's table
-    format, BF16 or INT8 + bf16 row scales, or with `fp8` in upstream's FP8 layout as the FP8 release stores it:
-    e4m3 rows, ONE bf16 `weight_scale` [1] per table, `ple_embedding_dtype` in the config), one safetensors file
-    per table shard, written one at a time, so a table of many GB never sits in memory whole. The other tensors
-    are SRC's."""
+def depth(layers: int) -> dict:
+    """`layers` decoder layers in the release's pattern: three GDN layers, then one attention layer."""
+    return {"num_hidden_layers": layers, "layer_types": [MODEL["layer_types"][i % 4] for i in range(layers)]}
+
+
+def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fp8: bool = False) -> None:
+    """SRC (SMALL_LAYERS layers, small PLE tables) grown to `model`'s depth and PLE table size.
+
+    Decoder layer i is SRC's layer i % 4 (the PLE module only in the PLE layer), written once per workdir into
+    `layers_dir` (one file per layer) and hard-linked into DST. The PLE tables get the hash buffers of the model's
+    vocab and random rows in SRC's table format (BF16, or INT8 + bf16 row scales), or with `fp8` in upstream's FP8
+    layout as the FP8 release stores it (e4m3 rows, ONE bf16 `weight_scale` [1] per table, `ple_embedding_dtype`
+    in the config), one safetensors file per table shard, written one at a time (rows drawn on the GPU where there
+    is one), so a table of many GB never sits in memory whole."""
+    import re
     import shutil
 
     import torch
@@ -275,50 +290,71 @@ def grow_tables(src: Path, dst: Path, base: int, fp8: bool = False) -> None:
     from qwen4_exp_hcu.tiny import load_config
 
     dst.mkdir(parents=True, exist_ok=True)
-    config = {**json.loads((src / "config.json").read_text()), "ngram_vocab_size_base": base}
+    config = {**json.loads((src / "config.json").read_text()), **depth(model["num_hidden_layers"]),
+              "ngram_vocab_size_base": model["ngram_vocab_size_base"]}  # fmt: skip
     if fp8:
         config["ple_embedding_dtype"] = "float8_e4m3fn"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     text = load_config(dst / "config.json")
-    tensors, dtypes = {}, {}  # SRC's tensors but the table shards; each shard's stored dtype
+    ple = {layer.decoder: layer for layer in ple_layers(text)}
+    top, by_layer, dtypes = {}, {}, {}  # SRC's tensors: outside the layers; per layer; each table shard's dtype
+    layer_name = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
     for f in src.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             for k in st.keys():
                 if SHARD.search(k):
                     dtypes[k] = st.get_slice(k).get_dtype()
+                elif m := layer_name.match(k):
+                    if ".ple_embedding." not in k:  # hash buffers are written below, for the model's vocab
+                        by_layer.setdefault(int(m[1]), {})[m[2]] = st.get_tensor(k)
                 else:
-                    tensors[k] = st.get_tensor(k)
+                    top[k] = st.get_tensor(k)
+    assert sorted(by_layer) == list(range(SMALL_LAYERS)), f"{src}: expected {SMALL_LAYERS} decoder layers"
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst / f.name)
-    gen = torch.Generator().manual_seed(0)
     weight_map = {}
-    for layer in ple_layers(text):
+    layers_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(text.num_hidden_layers):
+        tensors = {f"model.layers.{i}.{k}": t.clone() for k, t in by_layer[i % SMALL_LAYERS].items()
+                   if i in ple or not k.startswith("ple.")}  # fmt: skip
+        file = f"layer-{i:03d}.safetensors"
+        if not (layers_dir / file).exists():
+            save_file(tensors, str(layers_dir / f"{file}.part"), metadata={"format": "pt"})
+            (layers_dir / f"{file}.part").rename(layers_dir / file)
+        (dst / file).unlink(missing_ok=True)
+        os.link(layers_dir / file, dst / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(0)
+    for layer in ple.values():
         spec = NgramHashSpec.from_config(text, layer.ple)
         prefix = f"{layer.prefix}ple_embedding."
         for name, values in zip(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"),
                                 (spec.multipliers, spec.head_sizes, spec.head_offsets)):  # fmt: skip
-            tensors[prefix + name] = torch.tensor(values, dtype=torch.int64)
-        dtype = "F8_E4M3" if fp8 else dtypes[f"{layer.prefix}{TABLE}.shard_0.weight"]  # the table's format
+            top[prefix + name] = torch.tensor(values, dtype=torch.int64)
+        small_layer = layer.prefix.replace(f".{layer.decoder}.", f".{layer.decoder % SMALL_LAYERS}.")
+        dtype = "F8_E4M3" if fp8 else dtypes[f"{small_layer}{TABLE}.shard_0.weight"]  # the table's format
         if fp8:
-            tensors[f"{layer.prefix}{TABLE}.weight_scale"] = torch.tensor([0.01], dtype=torch.bfloat16)
+            top[f"{layer.prefix}{TABLE}.weight_scale"] = torch.tensor([0.01], dtype=torch.bfloat16)
         parts = text.split_ngram_parts
         per = -(-spec.rows // parts)
         for j in range(parts):
             n, name = min(per, spec.rows - j * per), f"{layer.prefix}{TABLE}.shard_{j}.weight"
             shard = {}
             if dtype == "I8":
-                shard[name] = torch.randint(-127, 128, (n, spec.head_dim), dtype=torch.int8, generator=gen)
-                scale = (torch.rand(n, 1, generator=gen) * 0.02).to(torch.bfloat16)
-                shard[name.removesuffix("weight") + SCALE_SUFFIX] = scale
+                rows = torch.randint(-127, 128, (n, spec.head_dim), dtype=torch.int8, generator=gen, device=device)
+                shard[name] = rows.cpu()
+                scale = (torch.rand(n, 1, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+                shard[name.removesuffix("weight") + SCALE_SUFFIX] = scale.cpu()
             else:
-                rows = torch.randn(n, spec.head_dim, generator=gen) * (1.0 if dtype == "F8_E4M3" else 0.3)
-                shard[name] = rows.to(torch.float8_e4m3fn if dtype == "F8_E4M3" else torch.bfloat16)
+                rows = torch.randn(n, spec.head_dim, generator=gen, device=device) * (1.0 if dtype == "F8_E4M3" else 0.3)
+                shard[name] = rows.to(torch.float8_e4m3fn if dtype == "F8_E4M3" else torch.bfloat16).cpu()
             file = f"ple-{layer.decoder}-{j:04d}.safetensors"
             save_file(shard, str(dst / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(tensors, "model.safetensors"))
+    save_file(top, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(top, "model.safetensors"))
     index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -338,7 +374,7 @@ def versions() -> dict:
     return out
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, caption: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,9 +392,14 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([g + width * (len(ok) - 1) / 2 for g in range(len(groups))], [str(g) for g in groups])
         ax.set_title(title)
     axes[0].legend(fontsize=8)
-    fig.suptitle("vLLM serving, one H200: PLE tables on host (INT8) vs GPU; synthetic Qwen4Exp, real PLE geometry")
+    fig.suptitle(f"vLLM serving, one H200: PLE table placements; {caption}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def describe(model: dict, graph_mode: str) -> str:
+    return (f"hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, "
+            f"{model['ngram_vocab_size_base']:,} PLE rows per hash head, {graph_mode}")
 
 
 def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
@@ -378,7 +419,7 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
            "graph_mode": graph_mode, "results": results, "decode_ratios": ratios}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
-        plot(results, out / "bench_serve.png")
+        plot(results, out / "bench_serve.png", describe(model, graph_mode))
     except ImportError:
         print("matplotlib missing: draw the PNG later with --plot-only", flush=True)
 
@@ -402,14 +443,13 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
-    if args.layers != model["num_hidden_layers"]:  # the release's pattern: three GDN layers, then one attention
-        model = {**model, "num_hidden_layers": args.layers,
-                 "layer_types": [MODEL["layer_types"][i % 4] for i in range(args.layers)]}  # fmt: skip
+    model = {**model, **depth(args.layers)}
     if args.worker:
         return worker(args.worker, args.checkpoint, args.result, args.profile, args.graph_mode, args.memory_only,
                       model["vocab_size"])  # fmt: skip
     if args.plot_only:
-        return plot(json.loads((Path(args.out) / "bench_serve.json").read_text())["results"], Path(args.out) / "bench_serve.png")
+        doc = json.loads((Path(args.out) / "bench_serve.json").read_text())
+        return plot(doc["results"], Path(args.out) / "bench_serve.png", describe(doc["model"], doc["graph_mode"]))
 
     geometry = f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic"
     workdir = Path(args.workdir) / f"{geometry}-{model['num_hidden_layers']}layers"  # checkpoints are kept per model
