@@ -43,8 +43,9 @@ def load_config(path: str | None, num_ple_layers: int):
     return Qwen4ExpTextConfig(ple_layer_ids=layers, eos_token_id=248_044)
 
 
-def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int) -> dict:
-    """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows)."""
+def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, hot_rows_bytes: int) -> dict:
+    """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows); the GPU holds
+    the hot-row cache in front of it, if any."""
     budget = host_table_bytes // len(per_layer)
     resident = sum(resident_slots(budget, n, row_bytes) for n in per_layer)
     staging = len(per_layer) * FileTier.staging_rows * row_bytes
@@ -53,7 +54,7 @@ def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int)
         "file_tier_file_bytes_per_rank": (sum(per_layer) - resident) * row_bytes,
         "file_tier_host_map_bytes_per_rank": 4 * sum(per_layer),
         "file_tier_host_map_bytes_per_rank_from_traffic": 8 * sum(per_layer),
-        "file_tier_gpu_bytes_per_rank": 0,
+        "file_tier_gpu_bytes_per_rank": hot_rows_bytes,
     }
 
 
@@ -85,7 +86,7 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host
                     "etp_bytes_per_step_upstream": round(
                         len(rows) * tokens * (upstream_bytes_per_token(world, dp, heads, dim) if across else 2 * (tp - 1) / tp * heads * dim * 2)
                     ),
-                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes) if host_table_bytes else {}),
+                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes, hot_rows_bytes) if host_table_bytes else {}),
                 }
                 out.append(row)
     return out

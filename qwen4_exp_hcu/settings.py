@@ -37,7 +37,7 @@ def plugin_settings(additional_config: dict | None) -> PluginSettings:
     """The settings, checked: unknown names and wrong types are errors naming the setting; what depends on the
     model or platform is checked where the model is built. `host_table_gib` > 0 turns on the file tier
     (`ple.file_rows`): that many GiB of the most-read rows stay in host memory, the others are read from the
-    checkpoint's files per lookup."""
+    checkpoint's files per lookup; with `hot_rows_gib` too, a GPU hot-row cache sits in front of both."""
     settings = (additional_config or {}).get(SETTINGS_KEY, {})
     if not isinstance(settings, dict):
         raise ValueError(f"{WHERE}: expected a mapping of {list(SETTINGS)}, got {settings!r}.")
@@ -48,6 +48,4 @@ def plugin_settings(additional_config: dict | None) -> PluginSettings:
         _gib(settings, "hot_rows_gib"), _calibration(settings, "hot_rows_calibration", "hot_rows_gib"),
         _gib(settings, "host_table_gib"), _calibration(settings, "host_table_calibration", "host_table_gib"),
     )  # fmt: skip
-    if out.hot_rows_gib and out.host_table_gib:
-        raise ValueError(f"{WHERE}: hot_rows_gib and host_table_gib do not combine yet; choose one.")
     return out

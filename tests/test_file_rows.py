@@ -128,3 +128,54 @@ def test_file_rows_do_not_hold_the_table(checkpoints):
     row = whole.nbytes // (whole.end - whole.start)
     assert table.nbytes == (table.file_rows.slots + 16) * row < whole.nbytes
 
+
+
+@pytest.mark.parametrize("observe", [False, True], ids=["cache_from_calibration", "cache_from_traffic"])
+def test_a_hot_row_cache_in_front_of_the_files_changes_nothing(checkpoints, monkeypatch, observe):
+    """The GPU hot-row cache before a 5 % file tier, the cache kept on the CPU and the lookup kernel run under
+    the interpreter (on an accelerator `PLETable.enable_hot_rows` builds the same; the next test runs it on the GPU): every lookup equals the whole host table's; the cache holds the files' rows; the pairs it serves are
+    neither staged nor counted by the file tier, so host memory keeps the next most read rows."""
+    from qwen4_exp_hcu.ple import table as table_module
+    from qwen4_exp_hcu.ple.hot_rows import HotRows
+
+    monkeypatch.setattr(table_module, "dispatch", lambda launcher, reference, *args, out, options, **kw: launcher(*args, out=out, **kw, **options))
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    table = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole, 0.05, refresh_every=2))).table
+    rows = table.file_rows
+    hot = table.hot = HotRows(rows.mapped("weight"), rows.mapped("weight_scale"), table.start, 4, "cpu", observe)
+    hot.refresh_every = 2
+    if not observe:
+        hot.fill(_ids(table, 64, seed=0))
+    hits = 0
+    for step in range(6):
+        ids = _ids(table, 3 + 7 * step, seed=0)  # the same 8 rows take 60 % of every step's lookups
+        hits += int((hot.slots_of(ids) >= 0).sum())
+        assert torch.equal(table.lookup(ids), whole.lookup(ids)), (observe, step)
+    assert hits > 40  # of 546 (token, head) pairs
+    filled = (hot.slot_row >= 0).nonzero().flatten()
+    assert filled.numel() == 4 and rows.refreshes == 3
+    assert torch.equal(hot.rows[filled], whole.weight[hot.slot_row[filled]])
+    assert torch.equal(hot.row_scales[filled], whole.scale[hot.slot_row[filled]])
+    if not observe:  # a fixed cache: its rows were never counted nor made resident by the file tier
+        cached = hot.slot_row[filled].numpy()
+        assert (rows.counts[cached] == 0).all() and (rows.slot_of[cached] == -1).all()
+
+
+@pytest.mark.gpu
+def test_a_gpu_hot_row_cache_in_front_of_the_files_changes_nothing_on_the_gpu(checkpoints):
+    """`PLETable.enable_hot_rows` on a file-tier table read by the GPU: a cache filled from calibration ids,
+    then one following the traffic, before a 5 % budget; every lookup equals the whole host table's."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    storage = PLEStorage(device="cuda", host=True, file_tier=_tier(path, whole, 0.05, refresh_every=2))
+    table = load_ple_layer(path, _layer_id(path), storage).table
+    for observe in (False, True):
+        hot = table.enable_hot_rows(4, observe)
+        hot.refresh_every = 2
+        if not observe:
+            hot.fill(_ids(table, 64, seed=0).cuda())
+        for step in range(6):
+            ids = _ids(table, 3 + 7 * step, seed=0)
+            assert torch.equal(table.lookup(ids.cuda()).cpu(), whole.lookup(ids)), (observe, step)
+        assert int((hot.slot_row >= 0).sum()) == 4

@@ -1,5 +1,5 @@
 """The fused gather + dequant Triton kernel vs its torch reference (`ple.table.gather_dequant_reference`),
-for every row format: BF16, INT8 (+ the hot-row cache), FP8, NVFP4."""
+for every row format: BF16, INT8 (+ the hot-row cache, its map by row or by (token, head)), FP8, NVFP4."""
 
 import torch
 from hypothesis import given, settings
@@ -40,9 +40,12 @@ def random_table(fmt, n, d, g):
     block_p=st.sampled_from([4, 16]),
     sort=st.booleans(),
     cached=st.booleans(),
+    by_pair=st.booleans(),
 )
-def test_fused_kernel_matches_reference(fmt, rows, d, t, heads, seed, block_p, sort, cached):
-    """Random owned range, ids inside and outside it, every finite e4m3 byte and e2m1 code: bit-exact."""
+def test_fused_kernel_matches_reference(fmt, rows, d, t, heads, seed, block_p, sort, cached, by_pair):
+    """Random owned range, ids inside and outside it, every finite e4m3 byte and e2m1 code: bit-exact. With the
+    cache mapped by (token, head) (the file tier's staged ids), a hit's id is some other owned row, which the
+    kernel must not read."""
     g = torch.Generator().manual_seed(seed)
     d = 16 * max(1, d // 16) if fmt == "nvfp4" else d  # NVFP4 rows are whole 16-value blocks
     start = int(torch.randint(0, rows, (1,), generator=g))
@@ -55,9 +58,18 @@ def test_fused_kernel_matches_reference(fmt, rows, d, t, heads, seed, block_p, s
         cmap[hot] = torch.arange(len(hot), dtype=torch.int32)
         cache = (cmap, w[hot].clone(), None if scale is None else scale[hot].clone())
     ids = torch.randint(-3, rows + 3, (t, heads), generator=g)  # includes ids no shard owns
+    gathered, by_pair = ids, by_pair and cache is not None
+    if by_pair:
+        local = ids.flatten() - start
+        owned = (local >= 0) & (local < end - start)
+        slots = torch.full(local.shape, -1, dtype=torch.int32)
+        slots[owned] = cache[0][local[owned]]
+        cache = (slots, *cache[1:])
+        elsewhere = start + torch.randint(0, max(end - start, 1), ids.shape, generator=g)
+        gathered = torch.where(slots.view(ids.shape) >= 0, elsewhere, ids)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
     on = lambda x: None if x is None else tuple(map(on, x)) if isinstance(x, tuple) else x.to(dev)  # noqa: E731
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16, device=dev)
-    gather_dequant(on(ids), on(w), on(scale), start, out, global_scale=on(global_scale), block_p=block_p, sort=sort,
-                   cache=on(cache))  # fmt: skip
+    gather_dequant(on(gathered), on(w), on(scale), start, out, global_scale=on(global_scale), block_p=block_p,
+                   sort=sort, cache=on(cache), cache_by_pair=by_pair)  # fmt: skip
     assert torch.equal(out.cpu(), gather_dequant_reference(ids, w, scale, start, global_scale))

@@ -53,8 +53,8 @@ def test_settings_are_checked_with_the_config():
         plugin_settings({"qwen4_exp_hcu": {"host_table_gib": "lots"}})
     with pytest.raises(ValueError, match="host_table_calibration is set but host_table_gib is not"):
         plugin_settings({"qwen4_exp_hcu": {"host_table_calibration": "x.safetensors"}})
-    with pytest.raises(ValueError, match="hot_rows_gib and host_table_gib do not combine"):
-        plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 1, "hot_rows_gib": 1}})
+    both = plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 1, "hot_rows_gib": 0.5}})  # GPU rows before files
+    assert (both.host_table_gib, both.hot_rows_gib) == (1, 0.5)
     assert plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 2}}).host_table_gib == 2
 
 

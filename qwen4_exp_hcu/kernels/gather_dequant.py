@@ -11,8 +11,9 @@ interpreter (CPU) and the GPU agree bit for bit. The format follows the storage 
 
 Host tables are bound by address translation of random rows, not by PCIe bandwidth, so `sort` visits
 the rows in id order (neighbouring programs touch neighbouring pages; the permutation scatters results
-back). An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss) is checked in the same
-kernel; hits never touch host memory. `gather_dequant_reference` is the same in torch.
+back). An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss; or, `cache_by_pair`, one slot per
+(token, head) when the ids are not table rows) is checked in the same kernel; hits never touch host memory.
+`gather_dequant_reference` is the same in torch.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _gather_dequant_kernel(
     ids_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, map_ptr, cw_ptr, cs_ptr, out_ptr,
     n_pairs, start, n_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    FMT: tl.constexpr, HAS_PERM: tl.constexpr, HAS_CACHE: tl.constexpr,
+    FMT: tl.constexpr, HAS_PERM: tl.constexpr, HAS_CACHE: tl.constexpr, CACHE_BY_PAIR: tl.constexpr,
 ):
     """FMT (`TableFormat.kernel`): 0 bf16, 1 int8 + row scale, 2 fp8 (bytes) + tensor scale, 3 nvfp4 (packed
     bytes, block-scale bytes, global scale). The hot-row cache serves formats 0 and 1."""
@@ -84,7 +85,7 @@ def _gather_dequant_kernel(
     else:
         miss = owned
         if HAS_CACHE:
-            slot = tl.load(map_ptr + row, mask=owned, other=-1).to(tl.int64)
+            slot = tl.load(map_ptr + (pair if CACHE_BY_PAIR else row), mask=owned, other=-1).to(tl.int64)
             hit = slot >= 0
             miss = owned & ~hit
             slot = tl.where(hit, slot, 0)
@@ -106,11 +107,13 @@ def _gather_dequant_kernel(
 def gather_dequant(
     ids, weight, scale, start: int, out, *, global_scale=None, block_p: int = 16, num_warps: int = 4,
     sort: bool = False, cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    cache_by_pair: bool = False,
 ) -> torch.Tensor:
     """ids [T, H] int64 -> out [T, H*d] bf16. The format follows the storage dtypes (`ple.formats`):
     bf16 weight (scale None); int8 weight + [n, 1] bf16 scale; float8_e4m3fn weight + fp32 scalar
     scale; uint8 packed weight [n, d/2] + e4m3 [n, d/16] scale + fp32 `global_scale`.
-    `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales): BF16/INT8 only."""
+    `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales): BF16/INT8 only; with
+    `cache_by_pair` the map is [T*H], one slot per (token, head), and a hit's id may be any owned row."""
     fmt = FORMATS[table_format(weight, scale)]
     if cache is not None and not fmt.hot_rows:
         raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {weight.dtype}.")
@@ -133,7 +136,7 @@ def gather_dequant(
             cmap, cw, cs if cs is not None else cw, out,
             n_pairs, start, weight.shape[0],
             D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
-            FMT=fmt.kernel, HAS_PERM=sort, HAS_CACHE=cache is not None, num_warps=num_warps,
+            FMT=fmt.kernel, HAS_PERM=sort, HAS_CACHE=cache is not None, CACHE_BY_PAIR=cache_by_pair, num_warps=num_warps,
         )
     return out
 

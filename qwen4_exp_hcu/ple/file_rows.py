@@ -11,6 +11,9 @@ where vLLM runs the PLE ops eagerly (breakable CUDA graphs, piecewise graphs, ea
 
 Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
 counted rows become resident and counts halve) or calibration ids (`fill`), as the GPU hot-row cache does.
+A GPU hot-row cache can sit in front (`PLETable.enable_hot_rows`): the rows it serves are neither staged nor
+counted here, so host memory keeps the next most read rows, and it copies its newcomers from the files
+(`MappedRows`).
 """
 
 from __future__ import annotations
@@ -154,16 +157,17 @@ class FileRows:
             self._read(every, 0)
             self.slot_of[:], self.slot_row[:] = every, every
 
-    def _read(self, rows: np.ndarray, at: int) -> None:
-        """Copy owned rows (sorted) from the files into buffer rows `at...`."""
+    def _read(self, rows: np.ndarray, at: int, into: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy owned rows from the files into buffer rows `at...` (or into the per-row tensors `into`)."""
         glob = rows + self.start
         shard = glob // self.shard_rows
         starts = np.flatnonzero(np.diff(shard, prepend=-1))  # one run of rows per checkpoint shard
-        dst = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in self.buffers.items()}
+        into = self.buffers if into is None else into
+        dst = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in into.items()}
         for a, b in zip(starts.tolist(), [*starts[1:].tolist(), rows.size]):
             j = int(shard[a])
-            for part, mm in self.files[j].items():
-                np.take(mm, glob[a:b] - j * self.shard_rows, axis=0, out=dst[part][at + a : at + b])
+            for part in dst:
+                np.take(self.files[j][part], glob[a:b] - j * self.shard_rows, axis=0, out=dst[part][at + a : at + b])
 
     def _wait(self) -> None:
         """Buffers are rewritten only after the last lookup kernel that reads them has finished."""
@@ -175,22 +179,24 @@ class FileRows:
             self._done = torch.cuda.Event()
             self._done.record()
 
-    def stage(self, ids: torch.Tensor) -> torch.Tensor:
+    def stage(self, ids: torch.Tensor, cached: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] global row ids -> ids into the buffers (resident slot or staging row; -1 where not owned),
-        with the missing rows read from the files into staging."""
+        with the missing rows read from the files into staging. `cached` ([T, H] bool): pairs a GPU hot-row
+        cache serves; they are neither counted nor read, and get buffer row 0 (owned, never read for a hit)."""
         self._wait()
         local = ids.to("cpu", torch.int64).numpy() - self.start
         owned = (local >= 0) & (local < self.n)
+        need = owned if cached is None else owned & ~cached.cpu().numpy()
         if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
-            np.add.at(self.counts, local[owned], 1)
+            np.add.at(self.counts, local[need], 1)
             self._lookups += 1
             if self._lookups >= self.tier.refresh_every:
                 self._lookups = 0
                 self.promote(self.counts)
                 self.counts >>= 1
-        slot = np.full(local.shape, -1, dtype=np.int64)
-        slot[owned] = self.slot_of[local[owned]]
-        miss = owned & (slot < 0)
+        slot = np.where(owned, 0, -1)
+        slot[need] = self.slot_of[local[need]]
+        miss = need & (slot < 0)
         rows, inverse = np.unique(local[miss], return_inverse=True)
         if rows.size > self.staging:
             self.buffers = self._resize(self.slots + max(rows.size, 2 * self.staging), self.slots)
@@ -234,8 +240,27 @@ class FileRows:
         for t in self.buffers.values():
             t[torch.from_numpy(slots)] = t[self.slots : self.slots + rows.size].clone()
 
+    def mapped(self, part: str) -> MappedRows:
+        return MappedRows(self, part)
+
     def describe(self) -> str:
         return f"{int((self.slot_row >= 0).sum())}/{self.slots} rows resident ({self.refreshes} promotions, last served {self.share:.0%}), the rest read from {self.tier.files.directory}"
+
+
+class MappedRows:
+    """One per-row part (`weight`, `weight_scale`) of a table's owned rows as they lie in the files: indexing
+    with row ids (`rows[ids]`, a host tensor) reads those rows. What a GPU hot-row cache in front of the file
+    tier copies its newcomers from (`ple.hot_rows.HotRows` takes it where it takes a host table)."""
+
+    def __init__(self, rows: FileRows, part: str) -> None:
+        self._rows, self._part = rows, part
+        buffer = rows.buffers[part]
+        self.shape, self.dtype, self.device = (rows.n, *buffer.shape[1:]), buffer.dtype, torch.device("cpu")
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((ids.numel(), *self.shape[1:]), dtype=self.dtype)
+        self._rows._read(ids.reshape(-1).numpy(), 0, {self._part: out})
+        return out
 
 
 def resident_slots(resident_bytes: int, rows: int, row_bytes: int) -> int:

@@ -17,7 +17,8 @@ REFRESH_EVERY = 256  # eager lookups between refreshes: one topk over the counts
 
 
 class HotRows:
-    """Cache slots for `weight`, a table's rows from `start` on (+ `scale`, [rows, 1], INT8 tables), on `device`."""
+    """Cache slots for `weight`, a table's rows from `start` on (+ `scale`, [rows, 1], INT8 tables), on `device`.
+    `weight` and `scale` are host tensors, or views of rows in the checkpoint's files (`ple.file_rows.MappedRows`)."""
 
     def __init__(self, weight, scale, start: int, slots: int, device, observe: bool) -> None:
         if slots < 1:
@@ -61,6 +62,15 @@ class HotRows:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.map, self.rows, self.row_scales, self.slot_row, self.counts) if t is not None)
+
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] row ids -> [T*H] int32 cache slot per pair, -1 where the cache does not serve it: the kernel's
+        cache map when the ids it gathers are not table rows (the file tier's staged ids)."""
+        local = ids.reshape(-1) - self.start
+        owned = (local >= 0) & (local < self.n)
+        slots = torch.full(local.shape, -1, dtype=torch.int32, device=local.device)
+        slots[owned] = self.map[local[owned]]
+        return slots
 
     def observe(self, ids: torch.Tensor) -> None:
         """Count a lookup's owned rows; refresh when due and not capturing (call before the lookup)."""

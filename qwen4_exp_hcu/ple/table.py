@@ -229,11 +229,12 @@ class PLETable:
         `observe`, refreshed from the rows this table's lookups read (see `ple.hot_rows`)."""
         if self.weight.device == self.compute_device:
             raise ValueError("a hot-row cache only helps a host-resident PLE table read by an accelerator.")
-        if self.file_rows is not None:
-            raise ValueError("the GPU hot-row cache and PLE rows from files do not combine yet; choose one.")
         if not self.format.hot_rows:
             raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.format.name}.")
-        self.hot = HotRows(self.weight, self.scale, self.start, slots, self.compute_device, observe)
+        weight, scale = self.weight, self.scale
+        if self.file_rows is not None:  # in front of the file tier: newcomers come from the files
+            weight, scale = (self.file_rows.mapped(p) if t is not None else None for p, t in (("weight", weight), ("weight_scale", scale)))
+        self.hot = HotRows(weight, scale, self.start, slots, self.compute_device, observe)
         return self.hot
 
     # ---- lookup --------------------------------------------------------------------------------
@@ -247,18 +248,24 @@ class PLETable:
                 f"lookup out must be a contiguous bf16 {shape} tensor on {ids.device}, got "
                 f"{out.dtype} {tuple(out.shape)} on {out.device}."
             )
-        cache, start = None, self.start
+        cache, start, by_pair = None, self.start, False
         if self.hot is not None:  # only on an accelerator (`enable_hot_rows`)
             self.hot.observe(ids)
             cache = self.hot.tensors
         if self.file_rows is not None:  # host sync: never captured (the placement rejects full CUDA graphs)
-            ids, start = self.file_rows.stage(ids), 0
+            if cache is not None:  # staged ids are buffer rows: the cache is consulted per (token, head)
+                slots = self.hot.slots_of(ids)
+                cache, by_pair = (slots, *cache[1:]), True
+                ids = self.file_rows.stage(ids, cached=slots.view(ids.shape) >= 0)
+            else:
+                ids = self.file_rows.stage(ids)
+            start = 0
         # the kernel takes the row scales (+ the table scale), or a table scale alone in their place
         scale, global_scale = (self.scale, self.tensor_scale) if self.scale is not None else (self.tensor_scale, None)
         tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
         out = dispatch(
             gather_dequant, gather_dequant_reference, ids.contiguous(), self.weight, scale, start, out=out,
-            global_scale=global_scale, options=dict(cache=cache, **tuning),
+            global_scale=global_scale, options=dict(cache=cache, cache_by_pair=by_pair, **tuning),
         )
         if self.file_rows is not None:
             self.file_rows.lookup_done(self.compute_device)
