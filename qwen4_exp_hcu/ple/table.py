@@ -233,7 +233,8 @@ class PLETable:
             raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.format.name}.")
         weight, scale = self.weight, self.scale
         if self.file_rows is not None:  # in front of the file tier: newcomers come from the files
-            weight, scale = (self.file_rows.mapped(p) if t is not None else None for p, t in (("weight", weight), ("weight_scale", scale)))
+            weight = self.file_rows.mapped("weight")
+            scale = None if scale is None else self.file_rows.mapped("weight_scale")
         self.hot = HotRows(weight, scale, self.start, slots, self.compute_device, observe)
         return self.hot
 
