@@ -133,15 +133,18 @@ def tensor_bytes(model) -> dict:
             "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
 
 
+PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
+
+
 def profile_decode(llm, prompts, top: int = 8) -> dict:
-    """Wall vs GPU-busy time per decode step over DECODE_TOKENS steps (prefill run subtracted), top kernels."""
+    """Wall vs GPU-busy time per decode step over PROFILE_TOKENS steps (prefill run subtracted), top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
     def run(max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             torch.cuda.synchronize()
             t = time.perf_counter()
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -154,10 +157,10 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
         return wall, kernels
 
     wall1, k1 = run(1)
-    wall, k = run(1 + DECODE_TOKENS)
-    decode = {name: (t - k1.get(name, 0.0)) / DECODE_TOKENS for name, t in k.items()}  # us per step
+    wall, k = run(1 + PROFILE_TOKENS)
+    decode = {name: (t - k1.get(name, 0.0)) / PROFILE_TOKENS for name, t in k.items()}  # us per step
     return {
-        "wall_us_per_step": (wall - wall1) * 1e6 / DECODE_TOKENS,
+        "wall_us_per_step": (wall - wall1) * 1e6 / PROFILE_TOKENS,
         "gpu_busy_us_per_step": sum(decode.values()),
         "top_kernels_us_per_step": dict(sorted(decode.items(), key=lambda kv: -kv[1])[:top]),
     }

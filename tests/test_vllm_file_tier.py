@@ -1,8 +1,7 @@
 """vLLM serving the tiny INT8 checkpoint with `host_table_gib` (`ple.file_rows`): a fifth of each table resident
 (calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact, so tokens and
-logprobs must equal those of the same engine with whole host tables, bit for bit."""
-
-import gc
+logprobs must equal those of the same engine with whole host tables, bit for bit; on a GPU also with the GPU
+hot-row cache in front of the file tier."""
 
 import pytest
 import torch
@@ -11,40 +10,56 @@ from safetensors.torch import save_file
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
 from qwen4_exp_hcu.settings import plugin_settings
-from helpers.scenarios import MAX_NUM_BATCHED_TOKENS, PROMPTS
+from helpers import engines
+from helpers.scenarios import GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.vllm
 SHARE = 0.2  # of the tables' bytes resident
 
 
-def _serve(path, monkeypatch, **settings):
-    from vllm import LLM, SamplingParams
+def _serve(path, **settings):
+    """Tokens and top-5 logprobs of PROMPTS, and each PLE layer's storage description."""
+    from vllm import SamplingParams
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: a faster start
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function to the worker
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-              max_num_seqs=4, seed=0, additional_config={"qwen4_exp_hcu": settings})  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    runs = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
-    described = llm.apply_model(lambda model: [b.storage()["describe"] for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")])[0]
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    gpu = GPU_ENGINE if torch.cuda.is_available() else {}
+    additional = {**gpu.get("additional_config", {}), "qwen4_exp_hcu": settings}
+    llm = engines.start(path, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # apply_model ships a function to the worker
+                        **{**gpu, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
+                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
+        described = llm.apply_model(lambda model: [b.storage()["describe"] for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")])[0]
+    finally:
+        engines.stop(llm)
     return runs, described
 
 
-def test_rows_from_files_serve_what_whole_tables_serve(tiny, tmp_path, monkeypatch):
+def _table_bytes(path) -> int:
+    return sum(load_ple_layer(path, i.layer_id).table.nbytes for i in ple_layers(text_config_of(path)))
+
+
+def test_rows_from_files_serve_what_whole_tables_serve(tiny, tmp_path):
     path = tiny["int8"]
-    cfg = text_config_of(path)
-    table_bytes = sum(load_ple_layer(path, i.layer_id).table.nbytes for i in ple_layers(cfg))
     calibration = tmp_path / "calibration.safetensors"
     save_file({"tokens": torch.tensor([t for p in PROMPTS[:2] for t in p])}, str(calibration))
-    whole, _ = _serve(path, monkeypatch)
-    tiered, described = _serve(path, monkeypatch, host_table_gib=SHARE * table_bytes / 2**30,
+    whole, _ = _serve(path)
+    tiered, described = _serve(path, host_table_gib=SHARE * _table_bytes(path) / 2**30,
                                host_table_calibration=str(calibration))  # fmt: skip
     assert described and all("rows resident" in d and "read from" in d for d in described), described
+    assert tiered == whole
+
+
+@pytest.mark.gpu
+def test_hot_rows_before_rows_from_files_serve_what_whole_tables_serve(tiny):
+    """The GPU hot-row cache (following the traffic) in front of the file tier (resident rows following the
+    traffic too): the same tokens and logprobs, bit for bit."""
+    path = tiny["int8"]
+    gib = _table_bytes(path) / 2**30
+    whole, _ = _serve(path)
+    tiered, described = _serve(path, host_table_gib=SHARE * gib, hot_rows_gib=gib)
+    assert described and all("hot rows" in d and "read from" in d for d in described), described
     assert tiered == whole
 
 
