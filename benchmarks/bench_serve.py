@@ -31,7 +31,9 @@ kernel time from torch.profiler) and the kernels that take most of it.
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
 TP4 rank's share of the release's 52 GB table; 52: the whole table at TP1). `--layers 48`: the release's depth
-(4 by default), where one PLE lookup per step weighs what it does in the release. `--graph-mode` (`GRAPH_MODES`):
+(4 by default), where one PLE lookup per step weighs what it does in the release. `--indexer-budget 2048`: the
+release's QSA budget, below `max_model_len`, so both classes run QSA attention (by default the budget is above it,
+where our class runs dense attention, which equals QSA there, and vLLM's class runs QSA). `--graph-mode` (`GRAPH_MODES`):
 vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagraph_mode=FULL_DECODE_ONLY`: a decode
 step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
 swings on this engine), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
@@ -440,13 +442,15 @@ def main() -> None:
     parser.add_argument("--graph-mode", choices=GRAPH_MODES, default="breakable")
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"],
                         help="decoder layers (the release has 48; one PLE layer, the third, either way)")
+    parser.add_argument("--indexer-budget", type=int, help="QSA budget (default 32768: above max_model_len, where "
+                        "our class runs exact dense attention; the release's 2048: both classes run QSA)")
     parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
-    model = {**model, **depth(args.layers)}
+    model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:
         return worker(args.worker, args.checkpoint, args.result, args.profile, args.graph_mode, args.memory_only,
                       model["vocab_size"])  # fmt: skip
@@ -455,7 +459,8 @@ def main() -> None:
         return plot(doc["results"], Path(args.out) / "bench_serve.png", describe(doc["model"], doc["graph_mode"]))
 
     geometry = f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic"
-    workdir = Path(args.workdir) / f"{geometry}-{model['num_hidden_layers']}layers"  # checkpoints are kept per model
+    budget = f"-budget{args.indexer_budget}" if args.indexer_budget else ""
+    workdir = Path(args.workdir) / f"{geometry}-{model['num_hidden_layers']}layers{budget}"  # checkpoints are kept per model
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
