@@ -1,7 +1,7 @@
 """PLE lookups with rows read from the checkpoint's files (`ple.file_rows`) against the whole table in host memory.
 
     python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
-                                         [--dir /tmp/file-tier] [--out benchmarks/results]
+                                         [--hot-rows-share 0.01] [--dir /tmp/file-tier] [--out benchmarks/results]
 
 Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row) as
 safetensors shards under `--dir`, then looks up the n-gram row ids of `--tokens` tokens per step (a decode step
@@ -12,7 +12,10 @@ whole table pinned in host memory. Cold: the files' page cache dropped first (`p
 warm: the same steps again. Reported: ms per lookup, GB/s of useful bytes (row + scale per token and head),
 the ratio to the whole table, the host side's share of it (ids to the host + rows from the files into staging,
 timed alone; "cold" times it after the cold lookups, so warm), the share of ids served by resident rows. On an accelerator the lookup kernel
-reads over UVA; on the CPU the torch reference reads. Writes JSON + PNG into `--out`.
+reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an accelerator): a GPU hot-row cache
+of S of the rows in front of every file-tier table, filled from the calibration ids first; the resident rows then
+come from the calibration ids it does not serve (results carry `hot_rows`, files `file_tier_{device}_hot.*`).
+Writes JSON + PNG into `--out`.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def timed_staging(table: PLETable, steps: list[torch.Tensor]) -> float:
     """Mean seconds per lookup of the host side alone: ids to the host, rows from the files into staging."""
     t0 = time.perf_counter()
     for ids in steps:
-        table.file_rows.stage(ids)
+        cached = None if table.hot is None else (table.hot.slots_of(ids) >= 0).view(ids.shape)  # never staged
+        table.file_rows.stage(ids, cached)
     return (time.perf_counter() - t0) / len(steps)
 
 
@@ -85,10 +89,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--calib-tokens", type=int, default=131072, help="tokens the resident rows are chosen from")
+    ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.hot_rows_share and device == "cpu":
+        raise SystemExit("--hot-rows-share: the hot-row cache lives in accelerator memory; this machine has none.")
     cfg = bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM)
     spec = NgramHashSpec.from_config(cfg, 0)
     rows, shard_rows = spec.rows, -(-spec.rows // SHARDS)
@@ -116,8 +123,14 @@ def main() -> None:
             tier = FileTier(CheckpointFiles(directory), int(share * whole.nbytes), refresh_every=0,
                             staging_rows=args.tokens * HEADS)  # fmt: skip
             table = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True, file_tier=tier))
-            served = table.file_rows.fill(calibration)
+            rest = calibration
+            if args.hot_rows_share:  # the GPU cache takes the most frequent rows; host memory the next ones
+                hot = table.enable_hot_rows(max(1, int(args.hot_rows_share * rows)))
+                hot.fill(calibration)
+                rest = calibration.reshape(-1)[hot.slots_of(calibration) < 0]
+            served = table.file_rows.fill(rest)
             hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.reshape(-1).cpu() - table.start] >= 0).float().mean())
+            gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
             assert all(torch.equal(table.lookup(s), whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
             for f in directory.glob("*.safetensors"):
                 drop_page_cache(f)
@@ -125,16 +138,18 @@ def main() -> None:
                 t = timed_lookups(table, steps)
                 staging = timed_staging(table, steps)
                 results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=useful / t / 1e9,
-                                    vs_whole=base / t, staging_s=staging, resident_hits=hits, calibration_served=served))  # fmt: skip
+                                    vs_whole=base / t, staging_s=staging, resident_hits=hits, calibration_served=served,
+                                    hot_rows=args.hot_rows_share, gpu_hits=gpu_hits))  # fmt: skip
                 print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {useful / t / 1e9:6.2f} GB/s  "
-                      f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%}", flush=True)  # fmt: skip
+                      f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})", flush=True)  # fmt: skip
             del table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"file_tier_{device}"
+    tag = f"file_tier_{device}" + ("_hot" if args.hot_rows_share else "")
     report = {
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
-                   f"--steps {args.steps} --calib-tokens {args.calib_tokens}",
+                   f"--steps {args.steps} --calib-tokens {args.calib_tokens}"
+                   + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else ""),
         "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                     "cpus": __import__("os").cpu_count(), "torch": torch.__version__},  # fmt: skip
         "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": whole.nbytes, "shards": SHARDS},
