@@ -123,12 +123,9 @@ def main() -> None:
             tier = FileTier(CheckpointFiles(directory), int(share * whole.nbytes), refresh_every=0,
                             staging_rows=args.tokens * HEADS)  # fmt: skip
             table = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True, file_tier=tier))
-            rest = calibration
             if args.hot_rows_share:  # the GPU cache takes the most frequent rows; host memory the next ones
-                hot = table.enable_hot_rows(max(1, int(args.hot_rows_share * rows)))
-                hot.fill(calibration)
-                rest = calibration.reshape(-1)[hot.slots_of(calibration) < 0]
-            served = table.file_rows.fill(rest)
+                table.enable_hot_rows(max(1, int(args.hot_rows_share * rows))).fill(calibration)
+            served = table.fill_resident_rows(calibration)
             hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.reshape(-1).cpu() - table.start] >= 0).float().mean())
             gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
             assert all(torch.equal(table.lookup(s), whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"

@@ -180,7 +180,7 @@ class PLEBlock(nn.Module, MambaBase):
         if budget:
             logger.info("%s: %s", self.prefix, self.layer.enable_hot_rows(budget, calibration).describe())
         if self.file_calibration is not None:
-            self.layer.table.file_rows.fill(self.layer.calibration_ids(self.file_calibration))
+            self.layer.table.fill_resident_rows(self.layer.calibration_ids(self.file_calibration))
         if self.layer.table.file_rows is not None:
             logger.info("%s: %s", self.prefix, self.layer.table.describe())
 

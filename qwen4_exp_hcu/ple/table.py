@@ -238,6 +238,13 @@ class PLETable:
         self.hot = HotRows(weight, scale, self.start, slots, self.compute_device, observe)
         return self.hot
 
+    def fill_resident_rows(self, ids: torch.Tensor) -> float:
+        """The file tier's resident rows from calibration row ids, less those a GPU hot-row cache serves (host
+        memory then takes the next most frequent); the share of the remaining owned lookups they serve."""
+        if self.hot is not None:
+            ids = ids.reshape(-1)[self.hot.slots_of(ids) < 0]
+        return self.file_rows.fill(ids)
+
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] int64 row ids -> [T, H*dim] bf16 (zeros where a row is not owned), into `out` if given."""
