@@ -434,7 +434,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--workdir", default="/tmp/bench_serve")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+    parser.add_argument("--timeout", type=int, default=560, help="seconds per variant (a 48-layer first start compiles for minutes)")
     parser.add_argument("--plot-only", action="store_true", help="draw the PNG from an existing JSON")
     parser.add_argument("--profile", action="store_true", help="also profile one decode run per batch")
     parser.add_argument("--geometry", choices=["synthetic", "release"], default="synthetic")
