@@ -26,7 +26,11 @@ batch, where a decode step's time goes: wall time per step against the GPU's bus
 kernel time from torch.profiler) and the kernels that take most of it.
 
     python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
-        [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only]
+        [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text]
+
+`--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
+uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
+decode's ids follow what the random model generates either way.
 
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
@@ -168,10 +172,11 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
     }
 
 
-def worker(variant: str, checkpoint: str, out: str, profile: bool, graph_mode: str, memory_only: bool,
-           vocab_size: int) -> None:  # fmt: skip
+def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vocab_size: int) -> None:
+    """One variant's engine: its measurements into `out` (JSON). `args`: the command line's graph mode,
+    `--profile`, `--memory-only`, `--prompts`."""
     env, engine, _ = VARIANTS[variant]
-    mode_env, mode_compilation, eager = GRAPH_MODES[graph_mode]
+    mode_env, mode_compilation, eager = GRAPH_MODES[args.graph_mode]
     os.environ.update(env, **mode_env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     compilation_config = {**ENGINE["compilation_config"], **mode_compilation}
     import torch
@@ -191,7 +196,7 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool, graph_mode: s
     graphs = {"cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
               "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
               "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1"}  # fmt: skip
-    if memory_only:
+    if args.memory_only:
         result = {"variant": variant, "startup_s": startup, "bytes": llm.apply_model(tensor_bytes)[0], **graphs}
         Path(out).write_text(json.dumps(result))
         os._exit(0)
@@ -208,28 +213,49 @@ def worker(variant: str, checkpoint: str, out: str, profile: bool, graph_mode: s
             times.append(time.perf_counter() - t)
         return sorted(times)[len(times) // 2]
 
-    rand = lambda n: torch.randint(3, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    prompt = prompt_source(args.prompts, vocab_size, gen)
     decode, profiles = {}, {}
     for b in DECODE_BATCHES:
-        prompts = [rand(DECODE_PROMPT) for _ in range(b)]
+        prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
         timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
         prefill_only = timed(prompts, 1)
         full = timed(prompts, 1 + DECODE_TOKENS)
         decode[b] = b * DECODE_TOKENS / (full - prefill_only)
-        if profile:
+        if args.profile:
             profiles[b] = profile_decode(llm, prompts)
     prefill = {}
     for n in PREFILL_LENGTHS:
-        timed([rand(n)], 1, repeats=1)  # warm-up
-        prefill[n] = n / timed([rand(n)], 1)
+        timed([prompt(n)], 1, repeats=1)  # warm-up
+        prefill[n] = n / timed([prompt(n)], 1)
     result = {
-        "variant": variant, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+        "variant": variant, "prompts": args.prompts, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
         "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
         **spec_decode_counters(llm),
-        **({"decode_profile": profiles} if profile else {}),
+        **({"decode_profile": profiles} if args.profile else {}),
     }  # fmt: skip
     Path(out).write_text(json.dumps(result))
     os._exit(0)  # skip vLLM's interpreter teardown
+
+
+def prompt_source(kind: str, vocab_size: int, gen):
+    """n -> a prompt of n token ids: uniform ids in [3, vocab), or consecutive slices of natural English text
+    (benchmarks/data/text_tokens.safetensors, ~200 k ids below 30 522, taken in order and wrapped)."""
+    import torch
+
+    if kind == "uniform":
+        return lambda n: torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+    from safetensors.torch import load_file
+
+    text = load_file(Path(__file__).parent / "data" / "text_tokens.safetensors")["tokens"].long()
+    assert int(text.max()) < vocab_size, "the text's token ids must fit the model's vocab"
+    at = [0]
+
+    def take(n: int) -> list[int]:
+        idx = (torch.arange(n) + at[0]) % text.numel()
+        at[0] = (at[0] + n) % text.numel()
+        return text[idx].tolist()
+
+    return take
 
 
 def spec_decode_counters(llm) -> dict:
@@ -445,6 +471,8 @@ def main() -> None:
     parser.add_argument("--indexer-budget", type=int, help="QSA budget (default 32768: above max_model_len, where "
                         "our class runs exact dense attention; the release's 2048: both classes run QSA)")
     parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
+    parser.add_argument("--prompts", choices=["uniform", "text"], default="uniform",
+                        help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -452,8 +480,7 @@ def main() -> None:
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:
-        return worker(args.worker, args.checkpoint, args.result, args.profile, args.graph_mode, args.memory_only,
-                      model["vocab_size"])  # fmt: skip
+        return worker(args.worker, args.checkpoint, args.result, args, model["vocab_size"])
     if args.plot_only:
         doc = json.loads((Path(args.out) / "bench_serve.json").read_text())
         return plot(doc["results"], Path(args.out) / "bench_serve.png", describe(doc["model"], doc["graph_mode"]))
@@ -472,7 +499,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
         cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
-        cmd += ["--memory-only"] if args.memory_only else []
+        cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", args.prompts]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr
