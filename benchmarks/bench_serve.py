@@ -132,8 +132,7 @@ def tensor_bytes(model) -> dict:
         for t in model.ple_storage():
             tables["host" if t["device"] == "cpu" else "gpu"] += t["bytes"]
     else:  # vLLM's own class keeps its tables as parameters or plain tensors: count what is on the host
-        host = [t for t in [*model.parameters(), *model.buffers()] if not t.is_cuda]
-        tables["host"] = sum(t.numel() * t.element_size() for t in host)
+        tables["host"] = sum(t.numel() * t.element_size() for t in named.values() if not t.is_cuda)
     return {"gpu_weights": gpu + tables["gpu"], "ple_gpu": tables["gpu"], "ple_host": tables["host"],
             "cuda_allocated": torch.cuda.memory_allocated(),
             "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
@@ -316,7 +315,7 @@ def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fp8: bool =
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.names import SCALE_SUFFIX, SHARD, TABLE, ple_layers
+    from qwen4_exp_hcu.names import HASH_BUFFERS, SCALE_SUFFIX, SHARD, TABLE, ple_layers
     from qwen4_exp_hcu.ple.hashing import NgramHashSpec
     from qwen4_exp_hcu.tiny import load_config
 
@@ -361,8 +360,7 @@ def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fp8: bool =
     for layer in ple.values():
         spec = NgramHashSpec.from_config(text, layer.ple)
         prefix = f"{layer.prefix}ple_embedding."
-        for name, values in zip(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"),
-                                (spec.multipliers, spec.head_sizes, spec.head_offsets)):  # fmt: skip
+        for name, values in zip(HASH_BUFFERS, (spec.multipliers, spec.head_sizes, spec.head_offsets)):
             top[prefix + name] = torch.tensor(values, dtype=torch.int64)
         small_layer = layer.prefix.replace(f".{layer.decoder}.", f".{layer.decoder % SMALL_LAYERS}.")
         dtype = "F8_E4M3" if fp8 else dtypes[f"{small_layer}{TABLE}.shard_0.weight"]  # the table's format
