@@ -437,7 +437,8 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
     if (out / "bench_serve.json").exists():
         results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
-    for name in ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8"):
+    ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8")
+    for name in ours + tuple(f"host_int8_files{p}" for p in (50, 20, 5)):
         for ref in ("host_int8", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
                 ratios[f"{name}/{ref}"] = {
