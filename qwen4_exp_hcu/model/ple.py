@@ -14,7 +14,7 @@ Two custom ops: `ple_prefetch` starts a layer's table lookup (hash + gather/dequ
 its `PrefetchWorkspace` handle before the preceding decoder layer runs, and `ple_forward` consumes it. How
 they live in vLLM's CUDA graphs (every mode keeps the side stream's fork and join in the same place: both
 eager, or both inside one captured graph):
-* breakable CUDA graphs (vLLM 0.33's default for Qwen4Exp): both ops are eager break points, so they run
+* breakable CUDA graphs (vLLM's default for Qwen4Exp): both ops are eager break points, so they run
   between captured segments and read the step's batch layout from the forward context at every replay;
 * piecewise graphs (torch.compile): both ops are splitting ops, run eagerly between the pieces;
 * full graphs (uniform decode): both ops are captured inline, fork and join in the one graph.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -204,26 +205,16 @@ class PLEBlock(nn.Module, MambaBase):
 
 
 # ---- custom ops -----------------------------------------------------------------------------------------
-def _eager_break(fn):
-    """vLLM >= 0.33: make `fn` a breakable-CUDA-graph break point (eager at every replay; inline in full
-    graphs). vLLM 0.32 has no breakable graphs, so nothing to do there."""
-    try:
-        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-    except ImportError:
-        return fn
-    return eager_break_during_capture(fn)
-
-
 def _layer(name: str) -> PLEBlock:
     return get_forward_context().no_compile_layers[name]
 
 
-@_eager_break
+@eager_break_during_capture  # a breakable-CUDA-graph break point: eager at every replay, inline in full graphs
 def _ple_prefetch(input_ids: torch.Tensor, buffer: torch.Tensor, layer_name: str) -> None:
     _layer(layer_name).run_prefetch(input_ids)
 
 
-@_eager_break
+@eager_break_during_capture  # a breakable-CUDA-graph break point: eager at every replay, inline in full graphs
 def _ple_forward(
     streams: torch.Tensor, input_ids: torch.Tensor, buffer: torch.Tensor | None, out: torch.Tensor, layer_name: str
 ) -> None:
