@@ -23,8 +23,10 @@ def _serve(path, **settings):
 
     gpu = GPU_ENGINE if torch.cuda.is_available() else {}
     additional = {**gpu.get("additional_config", {}), "qwen4_exp_hcu": settings}
+    # on a GPU every run takes the file tier's graphs (no full decode graphs), so the runs differ in the tier alone
+    graphs = {"compilation_config": {**gpu["compilation_config"], "cudagraph_mode": "PIECEWISE"}} if gpu else {}
     llm = engines.start(path, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # apply_model ships a function to the worker
-                        **{**gpu, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
+                        **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
