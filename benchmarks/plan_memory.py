@@ -14,7 +14,7 @@ replicas on the node). Per rank on the GPU beside host tables: the row scales wh
 (`PLEStorage(scales_on_device=True)`) and the hot-row cache serving's `hot_rows_gib` setting gives it, with
 the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
 from a calibration file). With `--host-table-gib G` (serving's `host_table_gib`, the file tier): per rank the
-pinned bytes of the resident rows (+ one staging area per layer), the bytes left in the checkpoint's files,
+pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens` step), the bytes left in the checkpoint's files,
 the pageable host bytes of the row maps (4 B per owned row, + 4 B of counts when following traffic) and the
 GPU bytes of the tables (none: scales stay with their rows).
 Writes benchmarks/results/plan_memory.json.
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
-from qwen4_exp_hcu.ple.file_rows import FileTier, resident_slots
+from qwen4_exp_hcu.ple.file_rows import resident_slots
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -43,12 +43,13 @@ def load_config(path: str | None, num_ple_layers: int):
     return Qwen4ExpTextConfig(ple_layer_ids=layers, eos_token_id=248_044)
 
 
-def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, hot_rows_bytes: int) -> dict:
-    """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows); the GPU holds
-    the hot-row cache in front of it, if any."""
+def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, hot_rows_bytes: int, staging_rows: int) -> dict:
+    """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows), with a staging
+    area of `staging_rows` per layer (serving: every id of the largest step); the GPU holds the hot-row cache in
+    front of it, if any."""
     budget = host_table_bytes // len(per_layer)
     resident = sum(resident_slots(budget, n, row_bytes) for n in per_layer)
-    staging = len(per_layer) * FileTier.staging_rows * row_bytes
+    staging = len(per_layer) * staging_rows * row_bytes
     return {
         "file_tier_pinned_bytes_per_rank": resident * row_bytes + staging,
         "file_tier_file_bytes_per_rank": (sum(per_layer) - resident) * row_bytes,
@@ -58,7 +59,8 @@ def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int,
     }
 
 
-def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host_table_bytes: int = 0) -> list[dict]:
+def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host_table_bytes: int = 0,
+         max_step_tokens: int = 8192) -> list[dict]:
     specs = [NgramHashSpec.from_config(cfg, i) for i in range(len(cfg.ple_layer_ids))]
     heads, dim = specs[0].num_heads, specs[0].head_dim
     rows = [s.rows for s in specs]
@@ -86,7 +88,8 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host
                     "etp_bytes_per_step_upstream": round(
                         len(rows) * tokens * (upstream_bytes_per_token(world, dp, heads, dim) if across else 2 * (tp - 1) / tp * heads * dim * 2)
                     ),
-                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes, hot_rows_bytes) if host_table_bytes else {}),
+                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes, hot_rows_bytes, max_step_tokens * heads)
+                       if host_table_bytes else {}),
                 }
                 out.append(row)
     return out
@@ -112,10 +115,12 @@ def main() -> None:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--hot-rows-gib", type=float, default=0.0, help="GPU hot-row cache per rank (serving's hot_rows_gib)")
     ap.add_argument("--host-table-gib", type=float, default=0.0, help="resident PLE rows per rank, the rest in files (serving's host_table_gib)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM's step limit (sizes the file tier's staging)")
     ap.add_argument("--out", default="benchmarks/results/plan_memory.json")
     args = ap.parse_args()
     cfg = load_config(args.config, args.num_ple_layers)
-    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.hot_rows_gib * 2**30), int(args.host_table_gib * 2**30))
+    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.hot_rows_gib * 2**30), int(args.host_table_gib * 2**30),
+                args.max_num_batched_tokens)
     gib = 2**30
     print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'node host GiB':>13} {'shared':>7} | "
           f"{'GPU scales':>10} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")  # fmt: skip
@@ -137,7 +142,8 @@ def main() -> None:
                       f"{r['file_tier_gpu_bytes_per_rank'] / gib:4.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "gpus_per_node": args.gpus_per_node,
-            "hot_rows_bytes_per_rank": int(args.hot_rows_gib * 2**30), "host_table_bytes_per_rank": int(args.host_table_gib * 2**30)}  # fmt: skip
+            "hot_rows_bytes_per_rank": int(args.hot_rows_gib * 2**30), "host_table_bytes_per_rank": int(args.host_table_gib * 2**30),
+            "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     Path(args.out).write_text(json.dumps({**meta, "plans": rows}, indent=1))
 
 

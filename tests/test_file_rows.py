@@ -67,6 +67,7 @@ def test_every_budget_looks_up_what_the_host_table_does(checkpoints, release, ra
             assert (rows.slot_of >= 0).all() == (share == 1.0)  # a budget that holds the table holds it all at load
             if not refresh_every:
                 rows.fill(_ids(table, 64, seed=0))
+                assert rows.staging == 16, "the fill grew the staging area"  # it goes through staging in parts
             for step in range(5):
                 ids = _ids(table, 3 + 7 * step, seed=step)
                 assert torch.equal(table.lookup(ids), whole.lookup(ids)), (release, share, refresh_every, step)

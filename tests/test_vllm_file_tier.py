@@ -124,11 +124,14 @@ def test_file_tier_needs_host_tables(tiny):
     from qwen4_exp_hcu.model.ple_placement import file_tier_settings
     from qwen4_exp_hcu.ple.storage import PLEStorage
 
+    text = text_config_of(tiny["int8"])
     config = SimpleNamespace(
         additional_config={"qwen4_exp_hcu": {"host_table_gib": 1}},
-        model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text_config_of(tiny["int8"])),
+        model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
     )
     with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
         file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
-    assert tier.resident_bytes == 2**30 // len(ple_layers(text_config_of(tiny["int8"]))) and calibration is None
+    assert tier.resident_bytes == 2**30 // len(ple_layers(text)) and calibration is None
+    assert tier.staging_rows == 64 * (text.ngram_size - 1) * text.heads_per_ngram  # every id of the largest step

@@ -118,7 +118,9 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
         raise ValueError(f"{WHERE}.host_table_gib does not combine with --engram-config.dp_shared_memory or use_thp.")
     config = vllm_config.model_config.hf_text_config
     files = CheckpointFiles(checkpoint_directory(vllm_config))
-    tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)))
+    # staging for every id of the largest step (tokens x n-gram heads), so it never grows (and re-pins) while serving
+    most_ids = vllm_config.scheduler_config.max_num_batched_tokens * (config.ngram_size - 1) * config.heads_per_ngram
+    tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)), staging_rows=most_ids)
     calibration = settings.host_table_calibration
     return tier, None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
 

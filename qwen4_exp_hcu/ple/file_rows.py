@@ -117,7 +117,7 @@ class FileTier:
     files: CheckpointFiles
     resident_bytes: int
     refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
-    staging_rows: int = 4096  # rows read per lookup before the staging area grows
+    staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
 
 
 class FileRows:
@@ -233,12 +233,13 @@ class FileRows:
         return self.share
 
     def _read_into_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """Rows (sorted) into resident `slots` (any order): read into staging, then placed."""
-        if rows.size > self.staging:
-            self.buffers = self._resize(self.slots + rows.size, self.slots)
-        self._read(rows, self.slots)
-        for t in self.buffers.values():
-            t[torch.from_numpy(slots)] = t[self.slots : self.slots + rows.size].clone()
+        """Rows (sorted) into resident `slots` (any order): read into staging a staging-full at a time, then placed.
+        Staging does not grow for promotions: a fill of every slot would otherwise double the host bytes."""
+        for a in range(0, rows.size, self.staging):
+            b = min(a + self.staging, rows.size)
+            self._read(rows[a:b], self.slots)
+            for t in self.buffers.values():
+                t[torch.from_numpy(slots[a:b])] = t[self.slots : self.slots + b - a].clone()  # same storage
 
     def mapped(self, part: str) -> MappedRows:
         return MappedRows(self, part)
