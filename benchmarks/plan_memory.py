@@ -14,9 +14,10 @@ replicas on the node). Per rank on the GPU beside host tables: the row scales wh
 (`PLEStorage(scales_on_device=True)`) and the hot-row cache serving's `hot_rows_gib` setting gives it, with
 the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
 from a calibration file). With `--host-table-gib G` (serving's `host_table_gib`, the file tier): per rank the
-pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens` step), the bytes left in the checkpoint's files,
-the pageable host bytes of the row maps (4 B per owned row, + 4 B of counts when following traffic) and the
-GPU bytes of the tables (none: scales stay with their rows).
+pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens`
+step), the bytes left in the checkpoint's files, the pageable host bytes of the row maps (4 B per owned row and
+per resident row, + 4 B of counts per owned row when following traffic) and the GPU bytes of the tables (none:
+scales stay with their rows).
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -53,8 +54,8 @@ def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int,
     return {
         "file_tier_pinned_bytes_per_rank": resident * row_bytes + staging,
         "file_tier_file_bytes_per_rank": (sum(per_layer) - resident) * row_bytes,
-        "file_tier_host_map_bytes_per_rank": 4 * sum(per_layer),
-        "file_tier_host_map_bytes_per_rank_from_traffic": 8 * sum(per_layer),
+        "file_tier_host_map_bytes_per_rank": 4 * sum(per_layer) + 4 * resident,  # row -> slot, slot -> row
+        "file_tier_host_map_bytes_per_rank_from_traffic": 8 * sum(per_layer) + 4 * resident,  # + counts per row
         "file_tier_gpu_bytes_per_rank": hot_rows_bytes,
     }
 

@@ -132,7 +132,7 @@ class FileRows:
         self.buffers: dict[str, torch.Tensor] = resize(slots + tier.staging_rows)
         self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
-        self.slot_row = np.full(slots, -1, dtype=np.int64)
+        self.slot_row = np.full(slots, -1, dtype=np.int32)  # resident slot -> owned row (a rank owns < 2**31 rows)
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
         self._lookups, self._done = 0, None
         self.refreshes, self.share = 0, 0.0
