@@ -42,7 +42,10 @@ release's QSA budget, below `max_model_len`, so both classes run QSA attention (
 where our class runs dense attention, which equals QSA there, and vLLM's class runs QSA). `--graph-mode` (`GRAPH_MODES`):
 vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagraph_mode=FULL_DECODE_ONLY`: a decode
 step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
-swings on this engine), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
+swings on this engine; without torch.compile, as vLLM's default for Qwen4Exp, whose breakable graphs turn it off,
+and no compile at start: at 48 layers breakable engines, which skip it too, started in 134 s, compiled ones in 148-278
+s), `full_decode_only_compiled` (the same with vLLM's torch.compile,
+as the 2026-12-01 release-geometry figures ran), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
 the CuTe DSL on the GPU machine (`tests/gpu_cute_dsl.sh`).
 """
 
@@ -78,7 +81,8 @@ VARIANTS = {
 # name: (environment, compilation_config entries, enforce_eager)
 GRAPH_MODES = {
     "breakable": ({}, {}, False),  # vLLM's default for Qwen4Exp architectures
-    "full_decode_only": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, False),
+    "full_decode_only": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, False),
+    "full_decode_only_compiled": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, False),
     "full_and_piecewise": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}, False),
     "piecewise": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, {"mode": 3, "cudagraph_mode": "PIECEWISE"}, False),
     "eager": ({}, {}, True),
