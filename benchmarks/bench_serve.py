@@ -32,7 +32,8 @@ kernel time from torch.profiler) and the kernels that take most of it.
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
-decode's ids follow what the random model generates either way.
+decode's ids follow what the random model generates either way. `--prompts text uniform`: both in turn in each
+engine (one start per variant), reported as `VARIANT@text` and `VARIANT@uniform`.
 
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
@@ -204,7 +205,7 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
               "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1"}  # fmt: skip
     if args.memory_only:
         result = {"variant": variant, "startup_s": startup, "bytes": llm.apply_model(tensor_bytes)[0], **graphs}
-        Path(out).write_text(json.dumps(result))
+        Path(out).write_text(json.dumps({"any": result}))
         os._exit(0)
     gen = torch.Generator().manual_seed(0)
 
@@ -219,27 +220,29 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
             times.append(time.perf_counter() - t)
         return sorted(times)[len(times) // 2]
 
-    prompt = prompt_source(args.prompts, vocab_size, gen)
-    decode, profiles = {}, {}
-    for b in DECODE_BATCHES:
-        prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
-        timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-        prefill_only = timed(prompts, 1)
-        full = timed(prompts, 1 + DECODE_TOKENS)
-        decode[b] = b * DECODE_TOKENS / (full - prefill_only)
-        if args.profile:
-            profiles[b] = profile_decode(llm, prompts)
-    prefill = {}
-    for n in PREFILL_LENGTHS:
-        timed([prompt(n)], 1, repeats=1)  # warm-up
-        prefill[n] = n / timed([prompt(n)], 1)
-    result = {
-        "variant": variant, "prompts": args.prompts, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
-        "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
-        **spec_decode_counters(llm),
-        **({"decode_profile": profiles} if args.profile else {}),
-    }  # fmt: skip
-    Path(out).write_text(json.dumps(result))
+    results = {}
+    for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
+        prompt = prompt_source(kind, vocab_size, gen)
+        decode, profiles = {}, {}
+        for b in DECODE_BATCHES:
+            prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
+            timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
+            prefill_only = timed(prompts, 1)
+            full = timed(prompts, 1 + DECODE_TOKENS)
+            decode[b] = b * DECODE_TOKENS / (full - prefill_only)
+            if args.profile:
+                profiles[b] = profile_decode(llm, prompts)
+        prefill = {}
+        for n in PREFILL_LENGTHS:
+            timed([prompt(n)], 1, repeats=1)  # warm-up
+            prefill[n] = n / timed([prompt(n)], 1)
+        results[kind] = {
+            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+            "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
+            **spec_decode_counters(llm),
+            **({"decode_profile": profiles} if args.profile else {}),
+        }  # fmt: skip
+        Path(out).write_text(json.dumps(results))  # after each source: a cut-off run keeps what it measured
     os._exit(0)  # skip vLLM's interpreter teardown
 
 
@@ -445,11 +448,15 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
         results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
     ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8")
-    for name in ours + tuple(f"host_int8_files{p}" for p in (50, 20, 5)):
+    for key in results:  # VARIANT or VARIANT@SOURCE, against the references measured on the same prompts
+        name, at, kind = key.partition("@")
+        if name not in ours + tuple(f"host_int8_files{p}" for p in (50, 20, 5)):
+            continue
         for ref in ("host_int8", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
-            if all("decode_tokens_per_s" in results.get(k, {}) for k in (name, ref)):
-                ratios[f"{name}/{ref}"] = {
-                    b: results[name]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
+            ref += at + kind
+            if key != ref and all("decode_tokens_per_s" in results.get(k, {}) for k in (key, ref)):
+                ratios[f"{key}/{ref}"] = {
+                    b: results[key]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
                     for b in DECODE_BATCHES
                 }
     doc = {"machine": versions(), "model": model, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
@@ -477,8 +484,9 @@ def main() -> None:
     parser.add_argument("--indexer-budget", type=int, help="QSA budget (default 32768: above max_model_len, where "
                         "our class runs exact dense attention; the release's 2048: both classes run QSA)")
     parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
-    parser.add_argument("--prompts", choices=["uniform", "text"], default="uniform",
-                        help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do)")
+    parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
+                        help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
+                        "several: each in turn in one engine, reported as VARIANT@SOURCE")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -505,19 +513,22 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
         cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
-        cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", args.prompts]
+        cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
             log = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
         (workdir / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
-        if result.exists():
-            results[name] = json.loads(result.read_text())
-        else:
+        measured = json.loads(result.read_text()) if result.exists() else {}
+        result.unlink(missing_ok=True)  # a later run of the variant must not report this one's figures
+        if not measured:
             lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
-            results[name] = {"error": (lines[-1] if lines else str(log)[-500:]).strip()}
-        print(name, json.dumps(results[name]), flush=True)
+            measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
+        for kind, r in measured.items():
+            key = name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}"
+            results[key] = r
+            print(key, json.dumps(r), flush=True)
         write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured
 
 
