@@ -107,6 +107,7 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
     host bytes of each PLE layer's resident rows (the graph mode was settled with the config, `file_tier_graphs`)."""
     from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
+    from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
 
     settings = plugin_settings(vllm_config.additional_config)
@@ -119,7 +120,7 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     config = vllm_config.model_config.hf_text_config
     files = CheckpointFiles(checkpoint_directory(vllm_config))
     # staging for every id of the largest step (tokens x n-gram heads), so it never grows (and re-pins) while serving
-    most_ids = vllm_config.scheduler_config.max_num_batched_tokens * (config.ngram_size - 1) * config.heads_per_ngram
+    most_ids = vllm_config.scheduler_config.max_num_batched_tokens * ngram_heads(config)
     tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)), staging_rows=most_ids)
     calibration = settings.host_table_calibration
     return tier, None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)

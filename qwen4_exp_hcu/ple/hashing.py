@@ -55,12 +55,17 @@ def eos_id(text_config) -> int:
     return int(eos)
 
 
+def ngram_heads(text_config) -> int:
+    """Hash heads per token of a PLE layer: `heads_per_ngram` for each n-gram order 2..ngram_size."""
+    return (text_config.ngram_size - 1) * text_config.heads_per_ngram
+
+
 def validate_ple_config(text_config) -> None:
     """Reject PLE settings the layer cannot serve, naming the offending setting."""
     ids = list(text_config.ple_layer_ids or [])
     if not ids:
         return
-    heads = (text_config.ngram_size - 1) * text_config.heads_per_ngram
+    heads = ngram_heads(text_config)
     if text_config.ngram_size < 2 or text_config.heads_per_ngram < 1:
         raise ValueError(
             f"ngram_size must be >= 2 and heads_per_ngram >= 1, got {text_config.ngram_size}, "
@@ -110,7 +115,7 @@ class NgramHashSpec:
         if not 0 <= ple_layer_index < n_ple:
             raise ValueError(f"ple_layer_index={ple_layer_index} outside [0, {n_ple}) (ple_layer_ids).")
         n, per = text_config.ngram_size, text_config.heads_per_ngram
-        heads = (n - 1) * per
+        heads = ngram_heads(text_config)
         primes = _primes_after(text_config.ngram_vocab_size_base - 1, (ple_layer_index + 1) * heads)
         sizes = primes[ple_layer_index * heads :]
         offsets = tuple(sum(sizes[:h]) for h in range(heads))
