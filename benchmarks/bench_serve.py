@@ -447,10 +447,11 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
     if (out / "bench_serve.json").exists():
         results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
-    ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8")
+    ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
+            *(f"host_int8_files{p}" for p in (50, 20, 5)))  # fmt: skip
     for key in results:  # VARIANT or VARIANT@SOURCE, against the references measured on the same prompts
         name, at, kind = key.partition("@")
-        if name not in ours + tuple(f"host_int8_files{p}" for p in (50, 20, 5)):
+        if name not in ours:
             continue
         for ref in ("host_int8", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             ref += at + kind
