@@ -4,6 +4,9 @@ the PLE layer's key/query/conv norms and the hyper-connections' stream norm."""
 import torch
 from torch import nn
 
+from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels.hyper_connection import inject_norm, inject_norm_reference
+
 
 class GroupedRMSNorm(nn.Module):
     def __init__(self, dim: int, group_size: int, eps: float, device=None) -> None:
@@ -14,6 +17,4 @@ class GroupedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float().unflatten(-1, (-1, self.group_size))
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return dispatch(inject_norm, inject_norm_reference, x, self.weight, self.eps, self.group_size)[1]

@@ -3,14 +3,24 @@
 The residual is `hc_count` parallel streams packed as `[T, hc_count * hidden]`. Before a block, a
 gated low-rank mix collapses the (normalised) streams into the block input; after it, the block
 output is injected back into every stream with a per-stream weight `2 * sigmoid(.)`.
-The matrices are tiny (rank `hc_lowrank`), so they are replicated across TP ranks.
+The matrices are tiny (rank `hc_lowrank`), so they are replicated across TP ranks. The glue between
+them runs as three kernels (`kernels.hyper_connection`); the previous block's injection is fused
+with the streams' norm.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
+from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels.hyper_connection import (
+    gate_mix,
+    gate_mix_reference,
+    inject_norm,
+    inject_norm_reference,
+    scaled_silu,
+    scaled_silu_reference,
+)
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
@@ -35,18 +45,22 @@ class GatedResidual(nn.Module):
             else None
         )
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        normed = self.hc_norm(streams)
+    def forward(
+        self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block input mixed from `streams` once `pending` (the previous block's output and its injection
+        weights) is injected into them; with `use_combine`, (those streams, the block input, its weights)."""
+        block_out, weights = pending or (None, None)
+        norm = self.hc_norm
+        streams, normed = dispatch(inject_norm, inject_norm_reference, streams, norm.weight, norm.eps,
+                                   norm.group_size, block_out, weights)  # fmt: skip
         down, _ = self.input_mix_weight_down(normed)
-        up, _ = self.input_mix_weight_up(F.silu(down / self.hc_count))
-        mix = torch.sigmoid(up).unflatten(-1, (self.hc_count, self.hidden_size))
-        mixed = (mix * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
-        if self.block_inject_weight is None:
-            return mixed
-        inject, _ = self.block_inject_weight(normed)
-        return mixed, 2 * torch.sigmoid(inject / self.hc_count)
+        up, _ = self.input_mix_weight_up(dispatch(scaled_silu, scaled_silu_reference, down, float(self.hc_count)))
+        logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)[0]
+        mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
+        return mixed if logits is None else (streams, mixed, weights)
 
 
 def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`streams + weights[s] * block_out` for every stream `s` (`[T, hc*H]`, `[T, H]`, `[T, hc]`)."""
-    return streams + (weights.unsqueeze(-1) * block_out.unsqueeze(-2)).flatten(-2)
+    return dispatch(inject_norm, inject_norm_reference, streams, None, 0.0, block_out.shape[-1], block_out, weights)[0]

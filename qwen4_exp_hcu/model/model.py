@@ -143,13 +143,12 @@ class Qwen4ExpDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ple is not None:
             streams = streams + self.ple(streams, input_ids)
-        x, weights = self.attn_hyper_connection(streams)
+        streams, x, weights = self.attn_hyper_connection(streams)
         if self.layer_type == "linear_attention":
             x = self.linear_attn(hidden_states=x)
         else:
             x = self.self_attn(positions=positions, hidden_states=x)
-        streams = inject(streams, x, weights)
-        x, weights = self.mlp_hyper_connection(streams)
+        streams, x, weights = self.mlp_hyper_connection(streams, (x, weights))
         return inject(streams, self.mlp(x), weights)
 
 

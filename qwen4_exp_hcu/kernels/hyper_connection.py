@@ -1,0 +1,147 @@
+"""Hyper-connection glue in three Triton kernels: without torch.compile (vLLM's default for Qwen4Exp: breakable
+graphs) each torch op of the grouped norm, the gated mix and the stream injection is a kernel of its own, about
+twenty per hyper-connection; in a CUDA graph at small batches their launches, not their bytes, set the time.
+
+* `inject_norm`: `streams + w[s] * block_out` for each stream s (optional) fused with the zero-centred grouped
+  RMSNorm of every group (the norm optional too: the injection alone ends a decoder layer);
+* `scaled_silu`: `silu(x / scale)` (the low-rank activation);
+* `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights).
+
+Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
+Inductor's input) do, so they agree to the last bit but for the fp32 reduction order of the norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _inject_norm_kernel(
+    x_ptr, block_ptr, w_ptr, norm_w_ptr, streams_ptr, normed_ptr, G, eps,
+    N_GROUPS: tl.constexpr, INJECT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < G
+    at = row * N_GROUPS * G + g * G + cols
+    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    if INJECT:
+        b = tl.load(block_ptr + row * G + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + row * N_GROUPS + g).to(tl.float32)
+        x = (x.to(tl.float32) + (w * b.to(tl.float32)).to(x.dtype).to(tl.float32)).to(x.dtype)
+        tl.store(streams_ptr + at, x, mask=mask)
+    if NORM:
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / G + eps)
+        h = h * (1.0 + tl.load(norm_w_ptr + g * G + cols, mask=mask, other=0.0).to(tl.float32))
+        tl.store(normed_ptr + at, h.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled_silu_kernel(x_ptr, out_ptr, N, scale, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    x = (x.to(tl.float32) / scale).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (x * tl.sigmoid(x)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_mix_kernel(
+    up_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, H,
+    HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(HC):
+        at = row * HC * H + s * H + cols
+        up = tl.load(up_ptr + at, mask=mask, other=0.0)
+        gate = tl.sigmoid(up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        normed = tl.load(normed_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        acc += (gate * normed).to(up.dtype).to(tl.float32)
+    tl.store(mixed_ptr + row * H + cols, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
+    if WEIGHTS:
+        if blk == 0:
+            s = tl.arange(0, HC_P2)
+            logits = tl.load(logits_ptr + row * HC + s, mask=s < HC, other=0.0)
+            scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
+            weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
+            tl.store(weights_ptr + row * HC + s, weights.to(weights_ptr.dtype.element_ty), mask=s < HC)
+
+
+def inject_norm_reference(
+    x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, group: int,
+    block_out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(x with `weights[:, s] * block_out` added to group s, or x itself; its grouped norm, or None)."""
+    if block_out is not None:
+        x = x + (weights.unsqueeze(-1) * block_out.unsqueeze(-2)).flatten(-2)
+    if norm_weight is None:
+        return x, None
+    h = x.float().unflatten(-1, (-1, group))
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return x, (h * (1.0 + norm_weight.float())).type_as(x)
+
+
+def inject_norm(
+    x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, group: int,
+    block_out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    if x.shape[-1] % group:
+        raise ValueError(f"inject_norm: width {x.shape[-1]} is not a multiple of group {group}")
+    x = x.contiguous()
+    rows, n_groups = x.numel() // x.shape[-1], x.shape[-1] // group
+    streams = x if block_out is None else torch.empty_like(x)
+    normed = None if norm_weight is None else torch.empty_like(x)
+    if rows:
+        _inject_norm_kernel[(rows, n_groups)](
+            x, x if block_out is None else block_out.contiguous(), x if weights is None else weights.contiguous(),
+            x if norm_weight is None else norm_weight, streams, x if normed is None else normed, group, eps,
+            N_GROUPS=n_groups, INJECT=block_out is not None, NORM=norm_weight is not None,
+            BLOCK=triton.next_power_of_2(group),
+        )  # fmt: skip
+    return streams, normed
+
+
+def scaled_silu_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.nn.functional.silu(x / scale)
+
+
+def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        n = x.shape[-1]
+        _scaled_silu_kernel[(x.numel() // n,)](x, out, n, scale, BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+def gate_mix_reference(
+    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the streams' gated mean `[T, H]`; the injection weights `[T, hc]` of `logits`, or None)."""
+    mix = torch.sigmoid(up).unflatten(-1, (hc, -1))
+    mixed = (mix * normed.unflatten(-1, (hc, -1))).mean(dim=-2)
+    return mixed, None if logits is None else 2 * torch.sigmoid(logits / hc)
+
+
+def gate_mix(
+    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None, block: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    up, normed = up.contiguous(), normed.contiguous()
+    rows, h = up.numel() // up.shape[-1], up.shape[-1] // hc
+    mixed = up.new_empty(*up.shape[:-1], h)
+    weights = None if logits is None else torch.empty_like(logits)
+    if rows:
+        block = min(block, triton.next_power_of_2(h))
+        _gate_mix_kernel[(rows, triton.cdiv(h, block))](
+            up, normed, up if logits is None else logits.contiguous(), mixed, mixed if weights is None else weights, h,
+            HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK=block,
+        )  # fmt: skip
+    return mixed, weights

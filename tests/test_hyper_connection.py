@@ -1,0 +1,131 @@
+"""The hyper-connection kernels (`kernels.hyper_connection`) against their torch references, op by op (on the
+CPU under Triton's interpreter, and on a GPU) and as the loaded tiny checkpoint's `GatedResidual` runs them.
+float32 results agree to float32 rounding. bf16 ones to two bf16 steps of the tensor's largest value: the
+interpreter casts float -> bf16 by truncation where a GPU rounds to nearest, and the kernels round where the
+references do, so their bf16 results differ by a rounding step at a time."""
+
+import pytest
+import torch
+
+from qwen4_exp_hcu.kernels import hyper_connection as hc
+
+DTYPES = [torch.float32, torch.bfloat16]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+T, HC, H = 5, 4, 48
+
+
+def _randn(*shape, dtype, seed, scale=1.0, device="cpu"):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device, dtype)
+
+
+def _assert_close(got, want):
+    if want.dtype == torch.bfloat16:
+        step = 2.0**-7 * want.abs().max().item()  # one bf16 step at the largest value
+        torch.testing.assert_close(got, want, rtol=2.0**-7, atol=2 * step)
+    else:
+        torch.testing.assert_close(got, want)
+
+
+def _pending(dtype, device):
+    block_out = _randn(T, H, dtype=dtype, seed=1, device=device)
+    return block_out, _randn(T, HC, dtype=dtype, seed=2, device=device).sigmoid() * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("injected", [False, True])
+@pytest.mark.parametrize("normed", [False, True])
+def test_inject_norm_matches_reference(device, dtype, injected, normed):
+    x = _randn(T, HC * H, dtype=dtype, seed=0, device=device)
+    weight = _randn(HC * H, dtype=dtype, seed=3, scale=0.1, device=device)
+    args = (x, weight if normed else None, 1e-6, H, *(_pending(dtype, device) if injected else ()))
+    streams, out = hc.inject_norm(*args)
+    ref_streams, ref_out = hc.inject_norm_reference(*args)
+    _assert_close(streams, ref_streams)
+    if normed:
+        _assert_close(out, ref_out)
+    else:
+        assert out is None and ref_out is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_tolerance_sees_streams_injected_with_each_others_weights(dtype):
+    x, (block_out, weights) = _randn(T, HC * H, dtype=dtype, seed=0), _pending(dtype, "cpu")
+    streams, _ = hc.inject_norm(x, None, 1e-6, H, block_out, weights)
+    with pytest.raises(AssertionError):
+        _assert_close(streams, hc.inject_norm_reference(x, None, 1e-6, H, block_out, weights.flip(-1))[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_tolerance_sees_a_norm_weight_without_its_offset(dtype):
+    """The norm scales by `1 + w`: scaling by `w` (w ~ 0.1) must fail."""
+    x, weight = _randn(T, HC * H, dtype=dtype, seed=0), _randn(HC * H, dtype=dtype, seed=3, scale=0.1)
+    with pytest.raises(AssertionError):
+        _assert_close(hc.inject_norm(x, weight, 1e-6, H)[1], hc.inject_norm_reference(x, weight - 1, 1e-6, H)[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_norm_of_a_single_group_matches_reference(device, dtype):
+    """The MTP head normalises all hc * hidden values as one group."""
+    x = _randn(3, HC * H, dtype=dtype, seed=4, device=device)
+    weight = _randn(HC * H, dtype=dtype, seed=5, scale=0.1, device=device)
+    _assert_close(hc.inject_norm(x, weight, 1e-6, HC * H)[1], hc.inject_norm_reference(x, weight, 1e-6, HC * H)[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_silu_matches_reference(device, dtype):
+    x = _randn(T, 20, dtype=dtype, seed=6, scale=3.0, device=device)
+    _assert_close(hc.scaled_silu(x, 4.0), hc.scaled_silu_reference(x, 4.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_logits", [False, True])
+@pytest.mark.parametrize("block", [16, 1024])  # several column blocks per row, and one
+def test_gate_mix_matches_reference(device, dtype, with_logits, block):
+    up, normed = (_randn(T, HC * H, dtype=dtype, seed=seed, device=device) for seed in (7, 8))
+    logits = _randn(T, HC, dtype=dtype, seed=9, scale=4.0, device=device) if with_logits else None
+    mixed, weights = hc.gate_mix(up, normed, HC, logits, block=block)
+    ref_mixed, ref_weights = hc.gate_mix_reference(up, normed, HC, logits)
+    _assert_close(mixed, ref_mixed)
+    if with_logits:
+        _assert_close(weights, ref_weights)
+    else:
+        assert weights is None and ref_weights is None
+
+
+def test_empty_batches_launch_nothing():
+    x = torch.empty(0, HC * H)
+    assert hc.inject_norm(x, torch.zeros(HC * H), 1e-6, H)[1].shape == x.shape
+    assert hc.gate_mix(x, x, HC, torch.empty(0, HC))[0].shape == (0, H)
+    assert hc.scaled_silu(torch.empty(0, 8), 4.0).shape == (0, 8)
+
+
+@pytest.mark.vllm
+def test_gated_residual_runs_the_kernels_as_its_reference(vllm_process, tiny, monkeypatch):
+    """The tiny checkpoint's hyper-connections (a decoder layer's two, fused injection included, and the final
+    mixer) with the kernels forced on the CPU give what they give with the references the CPU serves with."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    import qwen4_exp_hcu.model.hyper_connection as module
+    from helpers.vllm_inproc import load
+
+    model = load(tiny["bf16"], dtype="bfloat16")
+    layer, mixer = model.model.layers[0], model.model.hyper_connection_mixer
+    for linear in (m for part in (layer, mixer) for m in part.modules() if isinstance(m, ReplicatedLinear)):
+        linear.quant_method.process_weights_after_loading(linear)  # vLLM's CPU GEMM is picked here
+    config = model.config
+    streams = _randn(T, config.hc_count * config.hidden_size, dtype=torch.bfloat16, seed=10)
+    block_out = _randn(T, config.hidden_size, dtype=torch.bfloat16, seed=11)
+
+    def run():
+        attn_streams, x, weights = layer.attn_hyper_connection(streams)
+        mlp_streams, x, weights = layer.mlp_hyper_connection(attn_streams, (x + block_out, weights))
+        return attn_streams, mlp_streams, x, weights, module.inject(mlp_streams, block_out, weights), mixer(mlp_streams)
+
+    expected = run()
+    monkeypatch.setattr(module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
+    for got, want in zip(run(), expected, strict=True):
+        _assert_close(got, want)
