@@ -41,18 +41,18 @@ def _inject_norm_kernel(
 
 
 @triton.jit
-def _scaled_silu_kernel(x_ptr, out_ptr, N, scale, BLOCK: tl.constexpr):
+def _scaled_silu_kernel(x_ptr, out_ptr, N, x_stride, scale, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     x = (x.to(tl.float32) / scale).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (x * tl.sigmoid(x)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gate_mix_kernel(
-    up_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, H,
+    up_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, H, logits_stride,
     HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -69,7 +69,7 @@ def _gate_mix_kernel(
     if WEIGHTS:
         if blk == 0:
             s = tl.arange(0, HC_P2)
-            logits = tl.load(logits_ptr + row * HC + s, mask=s < HC, other=0.0)
+            logits = tl.load(logits_ptr + row * logits_stride + s, mask=s < HC, other=0.0)
             scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
             weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
             tl.store(weights_ptr + row * HC + s, weights.to(weights_ptr.dtype.element_ty), mask=s < HC)
@@ -114,18 +114,20 @@ def scaled_silu_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    """`x`: `[rows, n]`, rows at any stride (a column slice of a wider GEMM output is read in place)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         n = x.shape[-1]
-        _scaled_silu_kernel[(x.numel() // n,)](x, out, n, scale, BLOCK=triton.next_power_of_2(n))
+        _scaled_silu_kernel[(x.shape[0],)](x, out, n, x.stride(0), scale, BLOCK=triton.next_power_of_2(n))
     return out
 
 
 def gate_mix_reference(
     up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the streams' gated mean `[T, H]`; the injection weights `[T, hc]` of `logits`, or None)."""
+    """(the streams' gated mean `[T, H]`; the injection weights `[T, hc]` of `logits`, or None). `logits` may be
+    a column slice of a wider GEMM output."""
     mix = torch.sigmoid(up).unflatten(-1, (hc, -1))
     mixed = (mix * normed.unflatten(-1, (hc, -1))).mean(dim=-2)
     return mixed, None if logits is None else 2 * torch.sigmoid(logits / hc)
@@ -137,11 +139,14 @@ def gate_mix(
     up, normed = up.contiguous(), normed.contiguous()
     rows, h = up.numel() // up.shape[-1], up.shape[-1] // hc
     mixed = up.new_empty(*up.shape[:-1], h)
-    weights = None if logits is None else torch.empty_like(logits)
+    if logits is not None and logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = None if logits is None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if rows:
         block = min(block, triton.next_power_of_2(h))
         _gate_mix_kernel[(rows, triton.cdiv(h, block))](
-            up, normed, up if logits is None else logits.contiguous(), mixed, mixed if weights is None else weights, h,
+            up, normed, up if logits is None else logits, mixed, mixed if weights is None else weights, h,
+            0 if logits is None else logits.stride(0),
             HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK=block,
         )  # fmt: skip
     return mixed, weights

@@ -10,7 +10,7 @@ with the streams' norm.
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.hyper_connection import (
@@ -31,18 +31,17 @@ class GatedResidual(nn.Module):
         super().__init__()
         self.hc_count = config.hc_count
         self.hidden_size = config.hidden_size
+        self.use_combine = use_combine
         hc_hidden = self.hc_count * self.hidden_size
         self.hc_norm = GroupedRMSNorm(hc_hidden, self.hidden_size, config.rms_norm_eps)
-        self.input_mix_weight_down = ReplicatedLinear(
-            hc_hidden, config.hc_lowrank, bias=False, prefix=f"{prefix}.input_mix_weight_down"
-        )
+        # the down projection and the injection logits read the same normed streams: one GEMM
+        # (checkpoint: `input_mix_weight_down` and `block_inject_weight`, see the model's stacked names)
+        self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(
+            hc_hidden, [config.hc_lowrank] + [self.hc_count] * use_combine, bias=False, disable_tp=True,
+            return_bias=False, prefix=f"{prefix}.input_mix_weight_down_block_inject",
+        )  # fmt: skip
         self.input_mix_weight_up = ReplicatedLinear(
-            config.hc_lowrank, hc_hidden, bias=False, prefix=f"{prefix}.input_mix_weight_up"
-        )
-        self.block_inject_weight = (
-            ReplicatedLinear(hc_hidden, self.hc_count, bias=False, prefix=f"{prefix}.block_inject_weight")
-            if use_combine
-            else None
+            config.hc_lowrank, hc_hidden, bias=False, return_bias=False, prefix=f"{prefix}.input_mix_weight_up"
         )
 
     def forward(
@@ -54,9 +53,10 @@ class GatedResidual(nn.Module):
         norm = self.hc_norm
         streams, normed = dispatch(inject_norm, inject_norm_reference, streams, norm.weight, norm.eps,
                                    norm.group_size, block_out, weights)  # fmt: skip
-        down, _ = self.input_mix_weight_down(normed)
-        up, _ = self.input_mix_weight_up(dispatch(scaled_silu, scaled_silu_reference, down, float(self.hc_count)))
-        logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)[0]
+        down, logits = self.input_mix_weight_down_block_inject(normed), None
+        if self.use_combine:  # views of the one GEMM's output: the kernels read them in place
+            down, logits = down.split(self.input_mix_weight_down_block_inject.output_sizes, -1)
+        up = self.input_mix_weight_up(dispatch(scaled_silu, scaled_silu_reference, down, float(self.hc_count)))
         mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
         return mixed if logits is None else (streams, mixed, weights)
 

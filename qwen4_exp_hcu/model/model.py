@@ -56,6 +56,8 @@ _STACKED = {
     ".in_proj_z": (".in_proj_qkvz", 3),
     ".in_proj_b": (".in_proj_ba", 0),
     ".in_proj_a": (".in_proj_ba", 1),
+    ".input_mix_weight_down": (".input_mix_weight_down_block_inject", 0),
+    ".block_inject_weight": (".input_mix_weight_down_block_inject", 1),
 }
 # Multimodal checkpoints nest the text model; vision weights belong to the tower, which this class lacks
 # (`multimodal.Qwen4ExpForConditionalGeneration` hands this class its text part only). What else is not loaded,
@@ -225,6 +227,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         "gate_up_proj": ["gate_proj", "up_proj"],
         "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
         "in_proj_ba": ["in_proj_b", "in_proj_a"],
+        "input_mix_weight_down_block_inject": ["input_mix_weight_down", "block_inject_weight"],
     }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
