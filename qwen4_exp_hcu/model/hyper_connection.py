@@ -24,6 +24,9 @@ from qwen4_exp_hcu.kernels.hyper_connection import (
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
+Pending = tuple[torch.Tensor, torch.Tensor]  # a block's output and its injection weights, not yet injected
+
+
 class GatedResidual(nn.Module):
     """Mix `hc_count` residual streams into one block input (and, with `use_combine`, injection weights)."""
 
@@ -45,7 +48,7 @@ class GatedResidual(nn.Module):
         )
 
     def forward(
-        self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, streams: torch.Tensor, pending: Pending | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block input mixed from `streams` once `pending` (the previous block's output and its injection
         weights) is injected into them; with `use_combine`, (those streams, the block input, its weights)."""

@@ -5,7 +5,8 @@ Numerics follow transformers' `Qwen4ExpForCausalLM` (the oracle):
 embeddings repeated into `hc_count` residual streams → decoder layers → final hyper-connection mixer
 → lm_head (the reference has no final norm: the mixer's grouped norm plays that role).
 Decoder layer: [PLE, added to the streams] → attn hyper-connection → GatedDeltaNet (`linear_attention`)
-or indexed attention → mlp hyper-connection → sparse MoE with a gated shared expert.
+or indexed attention → mlp hyper-connection → sparse MoE with a gated shared expert, whose injection into
+the streams the next hyper-connection fuses with its norm.
 """
 
 import copy
@@ -41,7 +42,7 @@ from .attention import (
     dense_attention_is_exact,
     load_qsa_attention_cls,
 )
-from .hyper_connection import GatedResidual, inject
+from .hyper_connection import GatedResidual, Pending, inject
 from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, ple_mamba_spec
 from .ple_placement import PLEPlacement
 
@@ -142,16 +143,22 @@ class Qwen4ExpDecoderLayer(nn.Module):
         ple = next((i for i in ple_layers(config) if i.decoder == layer_idx), None) if ple_placement else None
         self.ple = None if ple is None else PLEBlock(vllm_config, ple.ple, ple_placement, prefix=f"{prefix}.ple")
 
-    def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor, pending: Pending | None = None
+    ) -> tuple[torch.Tensor, Pending]:
+        """(streams, the MoE output and its injection weights): the injection is left `pending` for the next
+        hyper-connection, which fuses it with its norm (`inject` does it alone)."""
         if self.ple is not None:
+            if pending is not None:  # PLE reads and adds to the streams themselves
+                streams, pending = inject(streams, *pending), None
             streams = streams + self.ple(streams, input_ids)
-        streams, x, weights = self.attn_hyper_connection(streams)
+        streams, x, weights = self.attn_hyper_connection(streams, pending)
         if self.layer_type == "linear_attention":
             x = self.linear_attn(hidden_states=x)
         else:
             x = self.self_attn(positions=positions, hidden_states=x)
         streams, x, weights = self.mlp_hyper_connection(streams, (x, weights))
-        return inject(streams, self.mlp(x), weights)
+        return streams, (self.mlp(x), weights)
 
 
 # positions are [T] or, when the checkpoint's RoPE keeps M-RoPE sections, [3, T]: T is the dynamic dim.
@@ -206,13 +213,15 @@ class Qwen4ExpModel(nn.Module):
         streams = hidden.repeat(1, self.hc_count)
         if self.ple_blocks and input_ids is None:
             raise ValueError("Qwen4Exp PLE layers need the token ids; prompt embeddings cannot be used.")
+        pending = None
         for layer, starts in zip(self.layers, self.prefetch_before):
             for block in starts:
                 block.start_prefetch(input_ids)
-            streams = layer(positions, streams, input_ids)
+            streams, pending = layer(positions, streams, input_ids, pending)
         if self.mtp_hidden is not None:
+            streams, pending = inject(streams, *pending), None
             self.mtp_hidden[: streams.shape[0]].copy_(streams)
-        return self.hyper_connection_mixer(streams)
+        return self.hyper_connection_mixer(streams, pending)
 
 
 class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):

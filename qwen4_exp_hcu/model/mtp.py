@@ -25,7 +25,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from qwen4_exp_hcu.names import MIXER_INJECT, SKIPPED_WITHOUT_QSA
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
-from .hyper_connection import GatedResidual
+from .hyper_connection import GatedResidual, inject
 from .model import _STACKED, Qwen4ExpDecoderLayer, Qwen4ExpForCausalLM, uses_qsa
 
 ATTENTION_LAYER_TYPE = "indexed_attention"  # the MTP layers' type (they have no GDN and no PLE)
@@ -59,7 +59,8 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
         embedded = self.fc_embedding(self.pre_fc_norm_embedding(self.embed_tokens(input_ids)))
         streams = self.fc_hidden(self.pre_fc_norm_hidden(hidden_states).view(T, self.hc_count, self.hidden_size))
         streams = (streams + embedded.unsqueeze(1)).flatten(1)
-        streams = self.layers[spec_step_idx % len(self.layers)](positions, streams, input_ids)
+        streams, pending = self.layers[spec_step_idx % len(self.layers)](positions, streams, input_ids)
+        streams = inject(streams, *pending)  # the next draft step reads the streams themselves
         return self.hyper_connection_mixer(streams), streams
 
 
