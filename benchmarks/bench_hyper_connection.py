@@ -1,0 +1,102 @@
+"""One hyper-connection at the release's shape (hc 4 x hidden 2560, rank 320), torch ops against the kernels of
+`kernels.hyper_connection`, side by side in one run, each replayed as a CUDA graph (what a FULL_DECODE_ONLY
+decode step is) and, for prefill sizes, eagerly too.
+
+    python benchmarks/bench_hyper_connection.py [--tokens 1 32 256 4096 16384] [--out benchmarks/results/hyper_connection]
+
+Both variants run the same block: the pending injection fused into (kernels) or ahead of (torch) the grouped
+norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gated mix. The GEMMs are
+`F.linear` in both. Reported: µs per hyper-connection, the ratio torch / kernels, and the
+kernels' outputs' largest difference from torch's. Writes JSON + PNG into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+from qwen4_exp_hcu.kernels import hyper_connection as hc
+
+HC, HIDDEN, RANK = 4, 2560, 320
+
+
+OPS = {
+    "torch": (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference),
+    "kernels": (hc.inject_norm, hc.scaled_silu, hc.gate_mix),
+}
+
+
+def block(variant: str, streams, pending, norm_w, down_w, up_w):
+    inject_norm, scaled_silu, gate_mix = OPS[variant]
+    streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
+    down, logits = F.linear(normed, down_w).split([RANK, HC], -1)
+    return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256, 4096, 16384])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hyper_connection"))
+    args = parser.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    norm_w = torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1
+    down_w = (torch.randn(RANK + HC, HC * HIDDEN, device=dev, generator=g) / 100).to(dt)
+    up_w = (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)
+    results = {}
+    for t in args.tokens:
+        streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
+        pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
+        row, outputs = {}, {}
+        for name in OPS:
+            run = lambda: block(name, streams, pending, norm_w, down_w, up_w)  # noqa: E731
+            outputs[name] = run()
+            row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3}
+            if t >= 4096:  # prefill sizes: breakable graphs run them eagerly
+                row[name]["eager_us"] = do_bench(run, rep=200) * 1e3
+        pairs = zip(*(torch.utils._pytree.tree_leaves(outputs[name]) for name in OPS))
+        row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        row["ratio_graph"] = row["torch"]["graph_us"] / row["kernels"]["graph_us"]
+        results[t] = row
+        print(t, json.dumps(row))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "what": "one hyper-connection (inject + norm + merged GEMM + silu + up GEMM + gated mix), µs",
+        "shape": {"hc": HC, "hidden": HIDDEN, "rank": RANK, "dtype": "bfloat16"},
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__},
+        "command": "python benchmarks/bench_hyper_connection.py --tokens " + " ".join(map(str, args.tokens)),
+        "results": results,
+    }
+    (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "bench_hyper_connection.png")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = list(report["results"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("torch", "kernels"):
+        ax.plot(range(len(tokens)), [report["results"][t][name]["graph_us"] for t in tokens], marker="o", label=name)
+    ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("µs per hyper-connection (CUDA graph)")
+    ax.set_title(f"Hyper-connection glue, hc {HC} x {HIDDEN}, {report['machine']['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
