@@ -10,7 +10,8 @@ import torch
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 DTYPES = [torch.float32, torch.bfloat16]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = [pytest.param("cpu", marks=pytest.mark.cpu_only), pytest.param("cuda", marks=pytest.mark.gpu)]
+cpu_only = pytest.mark.cpu_only  # the interpreter runs the kernels on CPU tensors only where no GPU is
 T, HC, H = 5, 4, 48
 
 
@@ -48,6 +49,7 @@ def test_inject_norm_matches_reference(device, dtype, injected, normed):
         assert out is None and ref_out is None
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_tolerance_sees_streams_injected_with_each_others_weights(dtype):
     x, (block_out, weights) = _randn(T, HC * H, dtype=dtype, seed=0), _pending(dtype, "cpu")
@@ -56,6 +58,7 @@ def test_the_tolerance_sees_streams_injected_with_each_others_weights(dtype):
         _assert_close(streams, hc.inject_norm_reference(x, None, 1e-6, H, block_out, weights.flip(-1))[0])
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_tolerance_sees_a_norm_weight_without_its_offset(dtype):
     """The norm scales by `1 + w`: scaling by `w` (w ~ 0.1) must fail."""
@@ -97,6 +100,7 @@ def test_gate_mix_matches_reference(device, dtype, with_logits, block):
         assert weights is None and ref_weights is None
 
 
+@cpu_only
 def test_empty_batches_launch_nothing():
     x = torch.empty(0, HC * H)
     assert hc.inject_norm(x, torch.zeros(HC * H), 1e-6, H)[1].shape == x.shape
@@ -104,6 +108,7 @@ def test_empty_batches_launch_nothing():
     assert hc.scaled_silu(torch.empty(0, 8), 4.0).shape == (0, 8)
 
 
+@cpu_only
 @pytest.mark.vllm
 def test_gated_residual_runs_the_kernels_as_its_reference(vllm_process, tiny, monkeypatch):
     """The tiny checkpoint's hyper-connections (a decoder layer's two, fused injection included, and the final
