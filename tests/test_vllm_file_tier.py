@@ -15,6 +15,7 @@ from helpers.scenarios import GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.vllm
 SHARE = 0.2  # of the tables' bytes resident
+SERIALIZE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def _serve(path, **settings):
@@ -25,14 +26,15 @@ def _serve(path, **settings):
     additional = {**gpu.get("additional_config", {}), "qwen4_exp_hcu": settings}
     # on a GPU every run takes the file tier's graphs (no full decode graphs), so the runs differ in the tier alone
     graphs = {"compilation_config": {**gpu["compilation_config"], "cudagraph_mode": "PIECEWISE"}} if gpu else {}
-    llm = engines.start(path, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # apply_model ships a function to the worker
+    llm = engines.start(path, SERIALIZE,  # apply_model ships a function to the worker
                         **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         runs = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
-        described = llm.apply_model(lambda model: [b.storage()["describe"] for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")])[0]
+        with engines.environment(SERIALIZE):  # read again where the function is sent (a GPU engine's own process)
+            described = llm.apply_model(lambda model: [b.storage()["describe"] for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")])[0]
     finally:
         engines.stop(llm)
     return runs, described
