@@ -32,7 +32,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import native_specialize_impl
 
 from helpers.releases import census, text_config
-from qwen4_exp_hcu.kernels import gather_dequant, ngram_hash, state_scatter
+from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, state_scatter
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -122,8 +122,27 @@ def _scatter_launches() -> dict[str, Launch]:
     }
 
 
+def _hyper_connection_launches(cfg) -> dict[str, Launch]:
+    """A decoder layer's and the final mixer's calls at the release's shape, bf16: the injection fused with the
+    norm, each alone, the silu over the merged GEMM's column slice, the mix with and without injection weights."""
+    hc, h, rank, t = cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 3
+    streams, weight = torch.zeros(t, hc * h, dtype=torch.bfloat16), torch.zeros(hc * h, dtype=torch.bfloat16)
+    pending = (torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, hc, dtype=torch.bfloat16))
+    merged = torch.zeros(t, rank + hc, dtype=torch.bfloat16)
+    norm = "_inject_norm_kernel"
+    calls = {
+        "inject-norm": (norm, hyper_connection.inject_norm, streams, weight, 1e-6, h, *pending),
+        "norm": (norm, hyper_connection.inject_norm, streams, weight, 1e-6, h),
+        "inject": (norm, hyper_connection.inject_norm, streams, None, 0.0, h, *pending),
+        "silu": ("_scaled_silu_kernel", hyper_connection.scaled_silu, merged[:, :rank], float(hc)),
+        "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank:]),
+        "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
+    }
+    return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
+
+
 def _launches() -> dict[str, Launch]:
-    launches = {}
+    launches = _hyper_connection_launches(text_config(census()["config"]["bf16_config_json"]))
     for geometry, cfg in (("tiny", load_config()), ("release", text_config(census()["config"]["bf16_config_json"]))):
         spec = NgramHashSpec.from_config(cfg, 0)  # the kernels' constexprs are the same for every PLE layer
         launches |= _gather_launches(geometry, spec.head_dim) | _hash_launches(geometry, spec)

@@ -68,11 +68,11 @@ def _gate_mix_kernel(
     tl.store(mixed_ptr + row * H + cols, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
     if WEIGHTS:
         if blk == 0:
-            s = tl.arange(0, HC_P2)
-            logits = tl.load(logits_ptr + row * logits_stride + s, mask=s < HC, other=0.0)
+            streams = tl.arange(0, HC_P2)
+            logits = tl.load(logits_ptr + row * logits_stride + streams, mask=streams < HC, other=0.0)
             scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
             weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
-            tl.store(weights_ptr + row * HC + s, weights.to(weights_ptr.dtype.element_ty), mask=s < HC)
+            tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
 
 
 def inject_norm_reference(
