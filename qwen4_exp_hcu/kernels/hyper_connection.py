@@ -75,6 +75,12 @@ def _gate_mix_kernel(
             tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
 
 
+def _warps(block: int) -> int:
+    """A whole group per program: more warps for wider groups (a group of 2560 values -> 8, the MTP head's single
+    group of 10 240 -> 16): at most 32 values per thread up to that width."""
+    return min(max(block // 512, 4), 16)
+
+
 def inject_norm_reference(
     x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, group: int,
     block_out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
@@ -96,15 +102,15 @@ def inject_norm(
     if x.shape[-1] % group:
         raise ValueError(f"inject_norm: width {x.shape[-1]} is not a multiple of group {group}")
     x = x.contiguous()
-    rows, n_groups = x.numel() // x.shape[-1], x.shape[-1] // group
+    rows, n_groups, block = x.numel() // x.shape[-1], x.shape[-1] // group, triton.next_power_of_2(group)
     streams = x if block_out is None else torch.empty_like(x)
     normed = None if norm_weight is None else torch.empty_like(x)
     if rows:
         _inject_norm_kernel[(rows, n_groups)](
             x, x if block_out is None else block_out.contiguous(), x if weights is None else weights.contiguous(),
             x if norm_weight is None else norm_weight, streams, x if normed is None else normed, group, eps,
-            N_GROUPS=n_groups, INJECT=block_out is not None, NORM=norm_weight is not None,
-            BLOCK=triton.next_power_of_2(group),
+            N_GROUPS=n_groups, INJECT=block_out is not None, NORM=norm_weight is not None, BLOCK=block,
+            num_warps=_warps(block),
         )  # fmt: skip
     return streams, normed
 
