@@ -105,23 +105,33 @@ def test_empty_batches_launch_nothing():
     assert hc.scaled_silu(torch.empty(0, 8), 4.0).shape == (0, 8)
 
 
-@cpu_only
-@pytest.mark.vllm
-def test_gated_residual_runs_the_kernels_as_its_reference(vllm_process, tiny, monkeypatch):
-    """The tiny checkpoint's hyper-connections (a decoder layer's two, fused injection included, and the final
-    mixer) with the kernels forced on the CPU give what they give with the references the CPU serves with."""
+@pytest.fixture(scope="module")
+def tiny_model(vllm_process, tiny):
+    """The tiny BF16 checkpoint's model, loaded in the test process, with vLLM's CPU GEMMs picked."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    import qwen4_exp_hcu.model.hyper_connection as module
     from helpers.vllm_inproc import load
 
     model = load(tiny["bf16"], dtype="bfloat16")
-    layer, mixer = model.model.layers[0], model.model.hyper_connection_mixer
-    for linear in (m for part in (layer, mixer) for m in part.modules() if isinstance(m, LinearBase)):
-        linear.quant_method.process_weights_after_loading(linear)  # vLLM's CPU GEMM is picked here
-    config = model.config
+    for linear in (m for m in model.modules() if isinstance(m, LinearBase)):
+        linear.quant_method.process_weights_after_loading(linear)
+    return model
+
+
+def _inputs(config):
     streams = _randn(T, config.hc_count * config.hidden_size, dtype=torch.bfloat16, seed=10)
-    block_out = _randn(T, config.hidden_size, dtype=torch.bfloat16, seed=11)
+    return streams, _randn(T, config.hidden_size, dtype=torch.bfloat16, seed=11)
+
+
+@cpu_only
+@pytest.mark.vllm
+def test_gated_residual_runs_the_kernels_as_its_reference(tiny_model, monkeypatch):
+    """The tiny checkpoint's hyper-connections (a decoder layer's two, fused injection included, and the final
+    mixer) with the kernels forced on the CPU give what they give with the references the CPU serves with."""
+    import qwen4_exp_hcu.model.hyper_connection as module
+
+    layer, mixer = tiny_model.model.layers[0], tiny_model.model.hyper_connection_mixer
+    streams, block_out = _inputs(tiny_model.config)
 
     def run():
         attn_streams, x, weights = layer.attn_hyper_connection(streams)
@@ -131,3 +141,42 @@ def test_gated_residual_runs_the_kernels_as_its_reference(vllm_process, tiny, mo
     expected = run()
     monkeypatch.setattr(module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
     _assert_all_close(run(), expected)
+
+
+ALLOCATIONS_AND_VIEWS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
+                         "aten.view.default", "aten.split_with_sizes.default"}  # fmt: skip
+
+
+@cpu_only
+@pytest.mark.vllm
+def test_a_hyper_connection_is_two_gemms_and_three_launches(tiny_model, monkeypatch):
+    """What makes the kernels pay: with a pending injection, a hyper-connection runs its two GEMMs (the merged
+    down + injection one, the up one) and launches each kernel once, and no other torch op computes or copies
+    (the GEMM's column slices are read in place). Launches are recorded, not run."""
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import qwen4_exp_hcu.model.hyper_connection as module
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    for name in ("_inject_norm_kernel", "_scaled_silu_kernel", "_gate_mix_kernel"):
+        recorder = mock.MagicMock()
+        recorder.__getitem__.return_value = lambda *args, name=name, **kwargs: launches.append(name)
+        monkeypatch.setattr(hc, name, recorder)
+    monkeypatch.setattr(module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
+    streams, block_out = _inputs(tiny_model.config)
+    weights = torch.rand(T, tiny_model.config.hc_count).bfloat16()
+    with Ops() as ops:
+        tiny_model.model.layers[0].mlp_hyper_connection(streams, (block_out, weights))
+    assert launches == ["_inject_norm_kernel", "_scaled_silu_kernel", "_gate_mix_kernel"]
+    assert len([name for name in ops.names if name not in ALLOCATIONS_AND_VIEWS]) == 2, ops.names
