@@ -8,7 +8,8 @@ twenty per hyper-connection; in a CUDA graph at small batches their launches, no
 * `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights).
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
-Inductor's input) do, so they agree to the last bit but for the fp32 reduction order of the norm.
+Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt
+tips a rounding: a bf16 step at most.
 """
 
 from __future__ import annotations
