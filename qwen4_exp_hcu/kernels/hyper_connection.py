@@ -9,7 +9,7 @@ twenty per hyper-connection; in a CUDA graph at small batches their launches, no
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
 Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt
-tips a rounding: a bf16 step at most.
+tips a rounding, one bf16 step each.
 """
 
 from __future__ import annotations
