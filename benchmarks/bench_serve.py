@@ -150,7 +150,8 @@ PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' e
 
 
 def profile_decode(llm, prompts, top: int = 8) -> dict:
-    """Wall vs GPU-busy time per decode step over PROFILE_TOKENS steps (prefill run subtracted), top kernels."""
+    """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (prefill run subtracted),
+    top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -163,18 +164,20 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        kernels = {}
+        kernels, launches = {}, 0
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total
-        return wall, kernels
+                launches += e.count
+        return wall, kernels, launches
 
-    wall1, k1 = run(1)
-    wall, k = run(1 + PROFILE_TOKENS)
+    wall1, k1, n1 = run(1)
+    wall, k, n = run(1 + PROFILE_TOKENS)
     decode = {name: (t - k1.get(name, 0.0)) / PROFILE_TOKENS for name, t in k.items()}  # us per step
     return {
         "wall_us_per_step": (wall - wall1) * 1e6 / PROFILE_TOKENS,
         "gpu_busy_us_per_step": sum(decode.values()),
+        "kernels_per_step": (n - n1) / PROFILE_TOKENS,  # GPU events (kernels, copies): small ones cost their launch
         "top_kernels_us_per_step": dict(sorted(decode.items(), key=lambda kv: -kv[1])[:top]),
     }
 
