@@ -1,6 +1,6 @@
 """One hyper-connection at the release's shape (hc 4 x hidden 2560, rank 320), torch ops against the kernels of
 `kernels.hyper_connection`, side by side in one run, each replayed as a CUDA graph (what a FULL_DECODE_ONLY
-decode step is) and, for prefill sizes, eagerly too.
+decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
     python benchmarks/bench_hyper_connection.py [--tokens 1 32 256 4096 16384] [--out benchmarks/results/hyper_connection]
 
@@ -58,7 +58,7 @@ def main() -> None:
             run = lambda: block(name, streams, pending, norm_w, down_w, up_w)  # noqa: E731
             outputs[name] = run()
             row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3}
-            if t >= 4096:  # prefill sizes: breakable graphs run them eagerly
+            if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly
                 row[name]["eager_us"] = do_bench(run, rep=200) * 1e3
         pairs = zip(*(torch.utils._pytree.tree_leaves(outputs[name]) for name in OPS))
         row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
