@@ -1,7 +1,8 @@
 """vLLM serving the tiny INT8 checkpoint with `host_table_gib` (`ple.file_rows`): a fifth of each table resident
-(calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact, so tokens and
-logprobs must equal those of the same engine with whole host tables, bit for bit; on a GPU also with the GPU
-hot-row cache in front of the file tier."""
+(calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact: inside the engine,
+after serving, every owned row through the live tiers equals the checkpoint's table, and tokens and logprobs
+equal those of the same engine with whole host tables, bit for bit; on a GPU also with the GPU hot-row cache in
+front of the file tier."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from safetensors.torch import save_file
 
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
+from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.settings import plugin_settings
 from helpers import engines
 from helpers.scenarios import GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PROMPTS
@@ -18,8 +20,26 @@ SHARE = 0.2  # of the tables' bytes resident
 SERIALIZE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+def _inspect(path):
+    """A function for `apply_model`: per PLE layer, its storage description and whether every owned row looked
+    up through the live table (hot-row cache, resident rows, files) equals the checkpoint's whole table."""
+
+    def inspect(model):
+        blocks = [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
+        found = []
+        for block, index in zip(blocks, ple_layers(text_config_of(path)), strict=True):
+            table = block.table
+            ids = torch.arange(table.start, table.end).view(-1, 1)
+            whole = load_ple_layer(path, index.layer_id, PLEStorage(host=True)).table.lookup(ids)
+            live = table.lookup(ids.to(table.compute_device)).cpu()
+            found.append((block.storage()["describe"], torch.equal(live, whole)))
+        return found
+
+    return inspect
+
+
 def _serve(path, **settings):
-    """Tokens and top-5 logprobs of PROMPTS, and each PLE layer's storage description."""
+    """Tokens and top-5 logprobs of PROMPTS, and `_inspect`'s findings per PLE layer."""
     from vllm import SamplingParams
 
     gpu = GPU_ENGINE if torch.cuda.is_available() else {}
@@ -34,37 +54,50 @@ def _serve(path, **settings):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         runs = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
         with engines.environment(SERIALIZE):  # read again where the function is sent (a GPU engine's own process)
-            described = llm.apply_model(lambda model: [b.storage()["describe"] for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")])[0]
+            found = llm.apply_model(_inspect(str(path)))[0]
     finally:
         engines.stop(llm)
-    return runs, described
+    return runs, found
 
 
 def _table_bytes(path) -> int:
     return sum(load_ple_layer(path, i.layer_id).table.nbytes for i in ple_layers(text_config_of(path)))
 
 
-def test_rows_from_files_serve_what_whole_tables_serve(tiny, tmp_path):
-    path = tiny["int8"]
+def _calibration(tmp_path):
     calibration = tmp_path / "calibration.safetensors"
     save_file({"tokens": torch.tensor([t for p in PROMPTS[:2] for t in p])}, str(calibration))
+    return str(calibration)
+
+
+def _differences(a, b) -> str:
+    """Where two runs of PROMPTS differ: per prompt, whether the tokens do and the largest logprob gap."""
+    out = []
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+        gap = max((abs(x[t] - y[t]) for x, y in zip(la, lb) for t in x.keys() & y.keys()), default=0.0)
+        out.append(f"prompt {i}: tokens {'equal' if ta == tb else 'differ'}, largest logprob gap {gap:.3g}")
+    return "; ".join(out)
+
+
+def test_rows_from_files_serve_what_whole_tables_serve(tiny, tmp_path):
+    path = tiny["int8"]
     whole, _ = _serve(path)
-    tiered, described = _serve(path, host_table_gib=SHARE * _table_bytes(path) / 2**30,
-                               host_table_calibration=str(calibration))  # fmt: skip
-    assert described and all("rows resident" in d and "read from" in d for d in described), described
-    assert tiered == whole
+    tiered, found = _serve(path, host_table_gib=SHARE * _table_bytes(path) / 2**30, host_table_calibration=_calibration(tmp_path))
+    assert found and all("rows resident" in d and "read from" in d and exact for d, exact in found), found
+    assert tiered == whole, _differences(tiered, whole)
 
 
 @pytest.mark.gpu
-def test_hot_rows_before_rows_from_files_serve_what_whole_tables_serve(tiny):
-    """The GPU hot-row cache (following the traffic) in front of the file tier (resident rows following the
-    traffic too): the same tokens and logprobs, bit for bit."""
+def test_hot_rows_before_rows_from_files_serve_what_whole_tables_serve(tiny, tmp_path):
+    """The GPU hot-row cache in front of the file tier, both from calibration tokens (the cache takes the most
+    frequent rows, host memory the next): the same tokens and logprobs, bit for bit."""
     path = tiny["int8"]
-    gib = _table_bytes(path) / 2**30
+    gib, calibration = _table_bytes(path) / 2**30, _calibration(tmp_path)
     whole, _ = _serve(path)
-    tiered, described = _serve(path, host_table_gib=SHARE * gib, hot_rows_gib=gib)
-    assert described and all("hot rows" in d and "read from" in d for d in described), described
-    assert tiered == whole
+    tiered, found = _serve(path, host_table_gib=SHARE * gib, host_table_calibration=calibration,
+                           hot_rows_gib=0.3 * gib, hot_rows_calibration=calibration)  # fmt: skip
+    assert found and all("hot rows" in d and "read from" in d and exact for d, exact in found), found
+    assert tiered == whole, _differences(tiered, whole)
 
 
 def test_settings_are_checked_with_the_config():

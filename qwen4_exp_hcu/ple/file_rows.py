@@ -134,7 +134,8 @@ class FileRows:
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
         self.slot_row = np.full(slots, -1, dtype=np.int32)  # resident slot -> owned row (a rank owns < 2**31 rows)
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
-        self._lookups, self._done = 0, None
+        self._counted: list[np.ndarray] = []  # rows whose count is > 0 (each once), the rest stay 0: promotions never scan the table
+        self._lookups, self._done, self._clock = 0, None, 0
         self.refreshes, self.share = 0, 0.0
 
     @property
@@ -188,12 +189,7 @@ class FileRows:
         owned = (local >= 0) & (local < self.n)
         need = owned if cached is None else owned & ~cached.cpu().numpy()
         if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
-            np.add.at(self.counts, local[need], 1)
-            self._lookups += 1
-            if self._lookups >= self.tier.refresh_every:
-                self._lookups = 0
-                self.promote(self.counts)
-                self.counts >>= 1
+            self._count(local[need])
         slot = np.where(owned, 0, -1)
         slot[need] = self.slot_of[local[need]]
         miss = need & (slot < 0)
@@ -207,30 +203,59 @@ class FileRows:
     def fill(self, ids: torch.Tensor) -> float:
         """Make the rows most frequent in a calibration id stream resident; the share of its owned lookups they serve."""
         local = ids.reshape(-1).to("cpu", torch.int64).numpy() - self.start
-        return self.promote(np.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
+        return self.promote(*np.unique(local[(local >= 0) & (local < self.n)], return_counts=True))
 
-    def promote(self, counts: np.ndarray) -> float:
-        """The `slots` most counted rows become resident (rows that stay keep their slot); with a slot for every
-        row, all stay."""
+    def _count(self, rows: np.ndarray) -> None:
+        """Count a lookup's rows; every `refresh_every` lookups promote the most counted and halve the counts.
+        The work follows the rows read, not the table: over every row's count, a promotion at the release's
+        80 M rows per TP4 rank took 2.9 s (a partition of all counts) on a 2-core host, every 256 lookups."""
+        fresh = rows[self.counts[rows] == 0]
+        np.add.at(self.counts, rows, 1)
+        self._counted.append(np.unique(fresh))
+        self._lookups += 1
+        if self._lookups >= self.tier.refresh_every:
+            self._lookups = 0
+            counted = np.concatenate(self._counted)
+            self.promote(counted, self.counts[counted])
+            self.counts[counted] >>= 1
+            self._counted = [counted[self.counts[counted] > 0]]
+
+    def promote(self, rows: np.ndarray, counts: np.ndarray) -> float:
+        """Of `rows` (distinct owned rows) with their `counts`, the `slots` most counted become resident. Rows that
+        are resident stay; a newcomer takes an empty slot or one whose row is not among the most counted, in clock
+        order (`_victims`); with a slot for every row, all stay. Returns the share of the counts the top serves."""
         if self.slots == self.n:
             return 1.0
         self._wait()
         k = min(self.slots, int(np.count_nonzero(counts)))
-        top = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
-        hot = np.zeros(self.n, dtype=bool)
-        hot[top] = True
-        cached = self.slot_row >= 0
-        keep = cached & hot[np.maximum(self.slot_row, 0)]
-        self.slot_of[self.slot_row[cached & ~keep]] = -1
-        self.slot_row[~keep] = -1
-        newcomers = np.sort(top[self.slot_of[top] < 0])
-        free = np.flatnonzero(~keep)[: newcomers.size]
+        best = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
+        top = rows[best]
+        held = self.slot_of[top]
+        newcomers = np.sort(top[held < 0])
+        free = self._victims(held[held >= 0], newcomers.size)
+        evicted = self.slot_row[free]
+        self.slot_of[evicted[evicted >= 0]] = -1
         self._read_into_slots(newcomers, free)
         self.slot_of[newcomers] = free
         self.slot_row[free] = newcomers
         self.refreshes += 1
-        self.share = float(counts[top].sum() / max(int(counts.sum()), 1))
+        self.share = float(counts[best].sum() / max(int(counts.sum()), 1))
         return self.share
+
+    def _victims(self, keep: np.ndarray, m: int) -> np.ndarray:
+        """`m` slots not in `keep`, scanning on from where the last promotion stopped (a clock: the rows
+        resident longest go first), a chunk at a time, so a promotion touches the slots it takes, not all."""
+        kept = np.zeros(self.slots, dtype=bool)
+        kept[keep] = True
+        found, pos = [], self._clock
+        while m > 0:
+            end = min(pos + (1 << 20), self.slots)
+            take = pos + np.flatnonzero(~kept[pos:end])[:m]
+            found.append(take)
+            m -= take.size
+            pos = end % self.slots if m else (int(take[-1]) + 1) % self.slots
+        self._clock = pos
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
     def _read_into_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Rows (sorted) into resident `slots` (any order): read into staging a staging-full at a time, then placed.
