@@ -149,9 +149,10 @@ def tensor_bytes(model) -> dict:
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
 
 
-def profile_decode(llm, prompts, top: int = 8) -> dict:
+def profile_decode(llm, prompts, top: int = 12) -> dict:
     """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (prefill run subtracted),
-    top kernels."""
+    the kernels taking the most time, and those launched most often (what a class with more launches per step
+    launches more of)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -164,21 +165,25 @@ def profile_decode(llm, prompts, top: int = 8) -> dict:
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        kernels, launches = {}, 0
+        kernels = {}  # name -> [us, events]
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total
-                launches += e.count
-        return wall, kernels, launches
+                entry = kernels.setdefault(e.key, [0.0, 0])
+                entry[0] += e.self_device_time_total
+                entry[1] += e.count
+        return wall, kernels
 
-    wall1, k1, n1 = run(1)
-    wall, k, n = run(1 + PROFILE_TOKENS)
-    decode = {name: (t - k1.get(name, 0.0)) / PROFILE_TOKENS for name, t in k.items()}  # us per step
+    wall1, k1 = run(1)
+    wall, k = run(1 + PROFILE_TOKENS)
+    # per decode step: (us, events)
+    decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
+              for name, (t, c) in k.items()}  # fmt: skip
     return {
         "wall_us_per_step": (wall - wall1) * 1e6 / PROFILE_TOKENS,
-        "gpu_busy_us_per_step": sum(decode.values()),
-        "kernels_per_step": (n - n1) / PROFILE_TOKENS,  # GPU events (kernels, copies): small ones cost their launch
-        "top_kernels_us_per_step": dict(sorted(decode.items(), key=lambda kv: -kv[1])[:top]),
+        "gpu_busy_us_per_step": sum(us for us, _ in decode.values()),
+        "kernels_per_step": sum(c for _, c in decode.values()),  # GPU events (kernels, copies): small ones cost their launch
+        "top_kernels_us_per_step": {n: us for n, (us, _) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:top]},
+        "most_launched_per_step": {n: [c, us] for n, (us, c) in sorted(decode.items(), key=lambda kv: -kv[1][1])[: 3 * top]},
     }
 
 
