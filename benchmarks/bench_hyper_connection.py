@@ -6,7 +6,7 @@ decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
 Both variants run the same block: the pending injection fused into (kernels) or ahead of (torch) the grouped
 norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gated mix. The GEMMs are
-`F.linear` in both; the merged one writes rows padded to 16 bytes (328 columns), as the model's does, and
+`F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 Reported: µs per hyper-connection, the ratios torch / kernels and unpadded / padded, and the kernels'
 outputs' largest difference from torch's. Writes JSON + PNG into `--out`.
@@ -26,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 HC, HIDDEN, RANK = 4, 2560, 320
-PAD = -(RANK + HC) % 8  # the merged GEMM's rows padded to 16 bytes (`model.hyper_connection.GatedResidual`)
+PAD = -(RANK + HC) % 16  # the merged GEMM's rows padded to 16 columns (`model.hyper_connection.GatedResidual`)
 
 TORCH = (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference)
 KERNELS = (hc.inject_norm, hc.scaled_silu, hc.gate_mix)

@@ -184,14 +184,14 @@ def test_a_hyper_connection_is_two_gemms_and_three_launches(tiny_model, monkeypa
 
 @cpu_only
 @pytest.mark.vllm
-def test_the_merged_gemm_writes_16_byte_rows(tiny_model):
-    """The down + injection GEMM's output rows are padded to 16 bytes (the release's 320 + 4 bf16 columns made
+def test_the_merged_gemm_writes_aligned_rows(tiny_model):
+    """The down + injection GEMM's output rows are padded to 16 columns (the release's 320 + 4 bf16 columns made
     cuBLAS take align-2 kernels); the padding's weight rows are zeros, and the mixer, which has no injection,
     gets no logits from the padding."""
     layer, mixer = tiny_model.model.layers[0], tiny_model.model.hyper_connection_mixer
     for residual in (layer.attn_hyper_connection, layer.mlp_hyper_connection, mixer):
         linear = residual.input_mix_weight_down_block_inject
-        assert sum(linear.output_sizes) * 2 % 16 == 0 and linear.output_sizes[: len(residual.sizes)] == residual.sizes
+        assert sum(linear.output_sizes) % 16 == 0 and linear.output_sizes[: len(residual.sizes)] == residual.sizes
         assert not linear.weight[sum(residual.sizes) :].any()
     streams, _ = _inputs(tiny_model.config)
     assert mixer(streams).shape == (T, tiny_model.config.hidden_size)

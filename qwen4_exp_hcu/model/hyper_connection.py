@@ -40,9 +40,10 @@ class GatedResidual(nn.Module):
         # the down projection and the injection logits read the same normed streams: one GEMM
         # (checkpoint: `input_mix_weight_down` and `block_inject_weight`, see the model's stacked names)
         self.sizes = [config.hc_lowrank] + [self.hc_count] * use_combine
-        # its output rows padded to 16 bytes: for the release's 320 + 4 bf16 (648 B) cuBLAS took align-2 kernels,
-        # 2.2x slower than vLLM's class at b = 256 on the H200. The padding's weight rows are zeros, never loaded.
-        pad = -sum(self.sizes) % 8
+        # its output rows padded to 16 columns, as vLLM's class pads them: for the release's 320 + 4 bf16 (648 B)
+        # cuBLAS took align-2 kernels, 2.2x slower than vLLM's class at b = 256 on the H200. The padding's weight
+        # rows are zeros, never loaded.
+        pad = -sum(self.sizes) % 16
         self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(
             hc_hidden, self.sizes + [pad] * (pad > 0), bias=False, disable_tp=True, return_bias=False,
             prefix=f"{prefix}.input_mix_weight_down_block_inject",
