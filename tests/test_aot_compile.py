@@ -5,8 +5,9 @@ Each kernel is compiled with what its launcher really passes: the launcher runs 
 the dtypes the library gives it, with its kernel swapped for a recorder, so the signature (from the argument
 dtypes), constexprs and num_warps come from the launcher itself and cannot drift from it. The variants are
 the ones the library launches: every table format of `PLETable` with its device and host tuning, with and
-without the hot-row cache; the n-gram hash of the tiny config and of the release geometry; the state
-scatter for the n-gram context and every model dtype of the conv window. Each compiles twice: as the JIT
+without the hot-row cache; the n-gram hash of the tiny config and of the release geometry; the window store
+for the n-gram context and, with the short conv, for every model dtype of the conv window; the hyper-connection
+glue at the release's shape. Each compiles twice: as the JIT
 specializes a launch with aligned tensors (the usual case: vectorized or AMD buffer loads), and with no
 specialization (what misaligned arguments get).
 
@@ -32,7 +33,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import native_specialize_impl
 
 from helpers.releases import census, text_config
-from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, state_scatter
+from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, short_conv
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -109,17 +110,35 @@ def _hash_launches(geometry: str, spec: NgramHashSpec) -> dict[str, Launch]:
     }
 
 
-def _scatter_launches() -> dict[str, Launch]:
-    """`write_state`'s calls, int64 slots: the n-gram context (int64) and the conv window (the model's dtype,
-    any vLLM serves)."""
-    slots = torch.tensor([2, -1, 0])
-    return {
-        f"scatter-{_name(dtype)}": _record(
-            state_scatter, "_scatter_rows_kernel", state_scatter.scatter_rows,
-            torch.zeros(4, 6, 32, dtype=dtype), slots, torch.zeros(3, 6, 32, dtype=dtype),
+def _window_launches(cfg) -> dict[str, Launch]:
+    """The PLE layer's window calls at the release's shape, int64 slots: the n-gram context's store (int64) and
+    the conv window's store and conv (the model's dtype, any vLLM serves), plain and with verified drafts."""
+    from qwen4_exp_hcu.ple.layer import state_shapes
+
+    qsl, slots, init = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([2, -1]), torch.tensor([True, False])
+    launches = {}
+    for spec in (False, True):
+        extra = 2 if spec else 0
+        drafts = (torch.tensor([1, 1], dtype=torch.int32), torch.tensor([True, False])) if spec else (None, None)
+        (ctx,), (window, width) = state_shapes(cfg, extra)
+        suffix = "-spec" if spec else ""
+        launches[f"store-ngram{suffix}"] = _record(
+            short_conv, "_store_window_kernel", short_conv.store_window,
+            torch.zeros(4, ctx, 2, dtype=torch.int64)[..., 0],  # entries 2 apart: a stride of 1 would become a constant
+            torch.zeros(4, dtype=torch.int64), qsl, slots, init, *drafts, ctx - extra, NgramHashSpec.from_config(cfg, 0).eos_token_id,
         )  # fmt: skip
-        for dtype in (torch.int64, torch.bfloat16, torch.float16, torch.float32)
-    }
+        for dtype in (torch.bfloat16,) if spec else (torch.bfloat16, torch.float16, torch.float32):
+            state, x = torch.zeros(4, window, width, dtype=dtype), torch.zeros(4, width, dtype=dtype)
+            weight = torch.zeros(width, cfg.ple_conv_kernel_size, dtype=dtype)
+            launches[f"store-conv-{_name(dtype)}{suffix}"] = _record(
+                short_conv, "_store_window_kernel", short_conv.store_window, state, x, qsl, slots, init, *drafts,
+                window - extra, 0,
+            )  # fmt: skip
+            launches[f"conv-{_name(dtype)}{suffix}"] = _record(
+                short_conv, "_short_conv_kernel", short_conv.short_conv, x, x, state, qsl, slots, init, drafts[0],
+                weight, cfg.ngram_size,
+            )  # fmt: skip
+    return launches
 
 
 def _hyper_connection_launches(cfg) -> dict[str, Launch]:
@@ -128,14 +147,14 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     hc, h, rank, t = cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 3
     streams, weight = torch.zeros(t, hc * h, dtype=torch.bfloat16), torch.zeros(hc * h, dtype=torch.bfloat16)
     pending = (torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, hc, dtype=torch.bfloat16))
-    merged = torch.zeros(t, rank + hc, dtype=torch.bfloat16)
+    merged = torch.zeros(t, rank + hc + -(rank + hc) % 16, dtype=torch.bfloat16)  # rows padded as the model's
     norm = "_inject_norm_kernel"
     calls = {
         "inject-norm": (norm, hyper_connection.inject_norm, streams, weight, 1e-6, h, *pending),
         "norm": (norm, hyper_connection.inject_norm, streams, weight, 1e-6, h),
         "inject": (norm, hyper_connection.inject_norm, streams, None, 0.0, h, *pending),
         "silu": ("_scaled_silu_kernel", hyper_connection.scaled_silu, merged[:, :rank], float(hc)),
-        "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank:]),
+        "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank : rank + hc]),
         "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
     }
     return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
@@ -146,7 +165,7 @@ def _launches() -> dict[str, Launch]:
     for geometry, cfg in (("tiny", load_config()), ("release", text_config(census()["config"]["bf16_config_json"]))):
         spec = NgramHashSpec.from_config(cfg, 0)  # the kernels' constexprs are the same for every PLE layer
         launches |= _gather_launches(geometry, spec.head_dim) | _hash_launches(geometry, spec)
-    return launches | _scatter_launches()
+    return launches | _window_launches(text_config(census()["config"]["bf16_config_json"]))
 
 
 @triton.jit

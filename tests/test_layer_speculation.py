@@ -94,3 +94,31 @@ def test_speculation_inputs_are_checked():
         LAYER(hs[:1], PLEBatch.from_lengths(ids[:1], [1], [0], [True], num_accepted=[4]), state)
     with pytest.raises(ValueError, match="verifying request"):
         LAYER(hs, PLEBatch.from_lengths(ids, [4], [0], [True], verify=[True]), state)
+
+
+@pytest.mark.cpu_only
+def test_the_window_kernels_serve_the_layer_as_its_references(monkeypatch):
+    """Prefill, then rounds of verified drafts, through the layer as the CPU serves it (the torch references of
+    `kernels.short_conv`) and with the window kernels forced (Triton's interpreter): the same outputs, and the same
+    states bit for bit."""
+    import qwen4_exp_hcu.ple.layer as layer_module
+
+    def run():
+        gen = torch.Generator().manual_seed(5)
+        state = PLEState.zeros(LAYER.state_shapes(2), SLOTS, torch.float32)
+        slots, outs = [2, 0, 3], []
+        lens, accepted = [5, 1, 3], None
+        for step in range(3):
+            ids = torch.randint(0, 97, (sum(lens),), generator=gen)
+            hs = torch.randint(-3, 4, (sum(lens), C), generator=gen).float()
+            batch = PLEBatch.from_lengths(ids, lens, slots, [step > 0] * 3, verify=[step > 0] * 3, num_accepted=accepted)
+            outs.append(LAYER(hs, batch, state))
+            lens, accepted = [3, 2, 1], [2, 1, 1]
+        return outs, state
+
+    want_outs, want_state = run()
+    monkeypatch.setattr(layer_module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
+    got_outs, got_state = run()
+    for got, want in zip(got_outs, want_outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_state.ngram, want_state.ngram) and torch.equal(got_state.conv, want_state.conv)

@@ -181,7 +181,7 @@ INJECTED = {
 # where: (module attribute the step calls, the argument handed to the injected sync)
 WHERE = {
     "lookup": ("ngram_ids", lambda args: args[1]),  # ngram_ids(spec, input_ids, ...): layer 0's on the side stream
-    "state_write": ("write_state", lambda args: args[1]),  # write_state(state, slot_ids, rows): main stream
+    "state_write": ("write_window", lambda args: args[1].slot_ids),  # write_window(state, batch, ...): main stream
 }
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen4_exp_hcu.kernels import dispatch
-from qwen4_exp_hcu.kernels.state_scatter import scatter_rows, scatter_rows_reference
+from qwen4_exp_hcu.kernels.short_conv import current_window, short_conv, short_conv_reference, store_window, store_window_reference
 from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, TABLE_SCALE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
@@ -23,11 +22,6 @@ from qwen4_exp_hcu.ple.formats import FORMATS
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
-
-
-def write_state(state: torch.Tensor, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """state[slot] = row for real requests only (slot >= 0)."""
-    dispatch(scatter_rows, scatter_rows_reference, state, slot_ids, rows)
 
 
 def state_shapes(text_config, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -39,36 +33,11 @@ def state_shapes(text_config, num_speculative_tokens: int = 0) -> tuple[tuple[in
     return (text_config.ngram_size - 1 + extra,), (window + extra, text_config.hc_count * text_config.hidden_size)
 
 
-def _history(window: torch.Tensor, chunk: torch.Tensor, qsl: torch.Tensor, req: torch.Tensor, j: torch.Tensor):
-    """Entry j of each request's (window ++ chunk): j < 0 reads the window ([B, L, ...]), j >= 0 the
-    packed chunk ([T, ...]); `req` and `j` are index tensors of one shape."""
-    L, T = window.shape[1], chunk.shape[0]
-    from_chunk = chunk[(qsl[req] + j).clamp(0, max(T - 1, 0))] if T else chunk.new_zeros(*j.shape, *chunk.shape[1:])
-    from_window = window[req, (L + j).clamp(0, L - 1)]
-    return torch.where((j >= 0).view(*j.shape, *[1] * (chunk.dim() - 1)), from_chunk, from_window)
-
-
-def _current_window(stored: torch.Tensor, batch: PLEBatch, length: int, fill) -> torch.Tensor:
-    """Each request's current `length` entries of its slot: from offset num_accepted - 1 (speculation),
-    `fill` for new requests and padding."""
-    slots = batch.slot_ids.clamp(0, stored.shape[0] - 1)
-    offset = 0 if batch.num_accepted is None else (batch.num_accepted.long() - 1)[:, None]
-    rows = stored[slots[:, None], offset + torch.arange(length, device=stored.device)]
-    live = (batch.has_initial_state & (batch.slot_ids >= 0)).view(-1, *[1] * (rows.dim() - 1))
-    return torch.where(live, rows, fill)
-
-
-def _store_window(stored: torch.Tensor, batch: PLEBatch, window: torch.Tensor, chunk: torch.Tensor) -> None:
-    """Store each request's tail of (window ++ chunk) in its slot: the last `length` entries, or, for a
-    request that verifies k drafts, the last `length + k` (the window after each of its positions)."""
-    qsl, B, L = batch.query_start_loc.long(), batch.num_requests, window.shape[1]
-    n = qsl[1:] - qsl[:-1]
-    drafts = torch.zeros_like(n) if batch.verify is None else torch.where(batch.verify, (n - 1).clamp_min(0), 0)
-    j = (n - L - drafts)[:, None] + torch.arange(stored.shape[1], device=n.device)
-    req = torch.arange(B, device=n.device)[:, None].expand_as(j)
-    rows = _history(window, chunk, qsl, req, j)
-    rows = torch.where((j < n[:, None]).view(*j.shape, *[1] * (rows.dim() - 2)), rows, 0)
-    write_state(stored, batch.slot_ids, rows.to(stored.dtype))
+def write_window(stored: torch.Tensor, batch: PLEBatch, chunk: torch.Tensor, length: int, fill) -> None:
+    """Store each real request's new window (the last `length` entries of its window ++ chunk, more when it
+    verifies drafts) in its slot; padding requests write nothing."""
+    dispatch(store_window, store_window_reference, stored, chunk, batch.query_start_loc, batch.slot_ids,
+             batch.has_initial_state, batch.num_accepted, batch.verify, length, fill)  # fmt: skip
 
 
 # the scales a table shard comes with, by its weight's dtype (BF16/F32 and FP8 shards have none)
@@ -125,7 +94,8 @@ class PLELayer(nn.Module):
         return state_shapes(self._config, num_speculative_tokens)
 
     def _request_context(self, batch: PLEBatch, state: PLEState) -> torch.Tensor:
-        return _current_window(state.ngram, batch, self.spec.context_len, self.spec.eos_token_id)
+        return current_window(state.ngram, batch.slot_ids, batch.has_initial_state, batch.num_accepted,
+                              self.spec.context_len, self.spec.eos_token_id)  # fmt: skip
 
     def check_inputs(self, hidden_states: torch.Tensor, batch: PLEBatch, state: PLEState) -> None:
         """Shape/dtype/device errors always; value checks only for CPU tensors (no host syncs on accelerators)."""
@@ -173,21 +143,6 @@ class PLELayer(nn.Module):
         rows = ngram_ids(self.spec, batch.input_ids, batch.query_start_loc, self._request_context(batch, state))
         return self.etp(rows, out=out, max_tokens=batch.max_tokens)
 
-    def _short_conv(self, x: torch.Tensor, batch: PLEBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv, kernel K, dilation N, over (window ++ chunk) of each request; updates the window."""
-        T, B, N = x.shape[0], batch.num_requests, self.spec.ngram_size
-        qsl = batch.query_start_loc.long()
-        window = _current_window(conv_state, batch, self.state_len, 0)  # [B, L, C]
-        pos = torch.arange(T, device=x.device)
-        req = torch.searchsorted(qsl[1:], pos, right=True).clamp_max(max(B - 1, 0))
-        i = pos - qsl[req]
-        weight = self.conv1d.weight[:, 0]  # [C, K]
-        acc = torch.zeros_like(x)
-        for k in range(self.conv_size):
-            acc = acc + _history(window, x, qsl, req, i - (self.conv_size - 1 - k) * N) * weight[:, k]
-        _store_window(conv_state, batch, window, x)
-        return F.silu(acc)
-
     def forward(
         self, hidden_states: torch.Tensor, batch: PLEBatch, state: PLEState,
         embeddings: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -197,7 +152,7 @@ class PLELayer(nn.Module):
         self.check_inputs(hidden_states, batch, state)
         if embeddings is None:
             embeddings = self.lookup(batch, state)
-        _store_window(state.ngram, batch, self._request_context(batch, state), batch.input_ids)
+        write_window(state.ngram, batch, batch.input_ids, self.spec.context_len, self.spec.eos_token_id)
 
         e = embeddings.to(hidden_states.dtype)
         T = hidden_states.shape[0]
@@ -207,8 +162,12 @@ class PLELayer(nn.Module):
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
-        conv = self._short_conv(self.norm_conv(gated), batch, state.conv)
-        return torch.add(gated, conv, out=out)
+        # gated + silu(causal depthwise conv, dilation ngram_size, over each request's window ++ chunk)
+        x = self.norm_conv(gated)
+        out = dispatch(short_conv, short_conv_reference, x, gated, state.conv, batch.query_start_loc, batch.slot_ids,
+                       batch.has_initial_state, batch.num_accepted, self.conv1d.weight[:, 0], self.spec.ngram_size, out=out)  # fmt: skip
+        write_window(state.conv, batch, x, self.state_len, 0)  # after the conv has read the windows
+        return out
 
     # ---- weights -----------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
