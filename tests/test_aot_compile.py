@@ -122,11 +122,12 @@ def _window_launches(cfg) -> dict[str, Launch]:
         drafts = (torch.tensor([1, 1], dtype=torch.int32), torch.tensor([True, False])) if spec else (None, None)
         (ctx,), (window, width) = state_shapes(cfg, extra)
         suffix = "-spec" if spec else ""
-        launches[f"store-ngram{suffix}"] = _record(
-            short_conv, "_store_window_kernel", short_conv.store_window,
-            torch.zeros(4, ctx, 2, dtype=torch.int64)[..., 0],  # entries 2 apart: a stride of 1 would become a constant
-            torch.zeros(4, dtype=torch.int64), qsl, slots, init, *drafts, ctx - extra, NgramHashSpec.from_config(cfg, 0).eos_token_id,
-        )  # fmt: skip
+        for ids in (torch.int32, torch.int64):  # token ids from vLLM, from `PLEBatch.from_lengths`
+            launches[f"store-ngram-ids_{_name(ids)}{suffix}"] = _record(
+                short_conv, "_store_window_kernel", short_conv.store_window,
+                torch.zeros(4, ctx, 2, dtype=torch.int64)[..., 0],  # entries 2 apart: a stride of 1 would become a constant
+                torch.zeros(4, dtype=ids), qsl, slots, init, *drafts, ctx - extra, NgramHashSpec.from_config(cfg, 0).eos_token_id,
+            )  # fmt: skip
         for dtype in (torch.bfloat16,) if spec else (torch.bfloat16, torch.float16, torch.float32):
             state, x = torch.zeros(4, window, width, dtype=dtype), torch.zeros(4, width, dtype=dtype)
             weight = torch.zeros(width, cfg.ple_conv_kernel_size, dtype=dtype)
