@@ -33,7 +33,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import native_specialize_impl
 
 from helpers.releases import census, text_config
-from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, short_conv
+from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, ple_gate, short_conv
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -112,7 +112,8 @@ def _hash_launches(geometry: str, spec: NgramHashSpec) -> dict[str, Launch]:
 
 def _window_launches(cfg) -> dict[str, Launch]:
     """The PLE layer's window calls at the release's shape, int64 slots: the n-gram context's store (int64) and
-    the conv window's store and conv (the model's dtype, any vLLM serves), plain and with verified drafts."""
+    the conv window's store and conv (the model's dtype, any vLLM serves), plain and with verified drafts; the
+    gate (norm weights in the model dtype, vLLM's default dtype while it builds the model)."""
     from qwen4_exp_hcu.ple.layer import state_shapes
 
     qsl, slots, init = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([2, -1]), torch.tensor([True, False])
@@ -139,6 +140,12 @@ def _window_launches(cfg) -> dict[str, Launch]:
                 short_conv, "_short_conv_kernel", short_conv.short_conv, x, x, state, qsl, slots, init, drafts[0],
                 weight, cfg.ngram_size,
             )  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        streams, weight = torch.zeros(4, width, dtype=dtype), torch.zeros(width, dtype=dtype)
+        launches[f"gate-{_name(dtype)}"] = _record(
+            ple_gate, "_ple_gate_kernel", ple_gate.ple_gate, streams, streams, torch.zeros(4, cfg.hidden_size, dtype=dtype),
+            weight, weight, weight, 1e-6, cfg.hidden_size,
+        )  # fmt: skip
     return launches
 
 

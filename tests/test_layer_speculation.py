@@ -97,10 +97,10 @@ def test_speculation_inputs_are_checked():
 
 
 @pytest.mark.cpu_only
-def test_the_window_kernels_serve_the_layer_as_its_references(monkeypatch):
+def test_the_layer_kernels_serve_it_as_its_references(monkeypatch):
     """Prefill, then rounds of verified drafts, through the layer as the CPU serves it (the torch references of
-    `kernels.short_conv`) and with the window kernels forced (Triton's interpreter): the same outputs, and the same
-    states bit for bit."""
+    `kernels.ple_gate` and `kernels.short_conv`) and with those kernels forced (Triton's interpreter): the same
+    outputs and conv windows to fp32 rounding (the norms' sums run in another order), the same n-gram context."""
     import qwen4_exp_hcu.ple.layer as layer_module
 
     def run():
@@ -121,4 +121,5 @@ def test_the_window_kernels_serve_the_layer_as_its_references(monkeypatch):
     got_outs, got_state = run()
     for got, want in zip(got_outs, want_outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got_state.ngram, want_state.ngram) and torch.equal(got_state.conv, want_state.conv)
+    assert torch.equal(got_state.ngram, want_state.ngram)
+    torch.testing.assert_close(got_state.conv, want_state.conv, rtol=1e-5, atol=1e-5)

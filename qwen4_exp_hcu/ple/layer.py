@@ -7,12 +7,12 @@ workspace runs early) -> key/value projections -> grouped norms -> gate -> dilat
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
 from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels.ple_gate import ple_gate, ple_gate_reference
 from qwen4_exp_hcu.kernels.short_conv import current_window, short_conv, short_conv_reference, store_window, store_window_reference
 from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, TABLE_SCALE, UNUSED
 from qwen4_exp_hcu.norm import GroupedRMSNorm
@@ -155,15 +155,11 @@ class PLELayer(nn.Module):
         write_window(state.ngram, batch, batch.input_ids, self.spec.context_len, self.spec.eos_token_id)
 
         e = embeddings.to(hidden_states.dtype)
-        T = hidden_states.shape[0]
-        key = self.norm_key(self.key_proj(e)).view(T, self.hc, self.hidden)
-        value = self.value_proj(e)
-        query = self.norm_query(hidden_states).view(T, self.hc, self.hidden)
-        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
-        # gated + silu(causal depthwise conv, dilation ngram_size, over each request's window ++ chunk)
-        x = self.norm_conv(gated)
+        # per stream: sigmoid(sign(g) sqrt|g|) * value, g = <norm_key(key), norm_query(streams)> / sqrt(hidden)
+        gated, x = dispatch(ple_gate, ple_gate_reference, self.key_proj(e), hidden_states, self.value_proj(e),
+                            self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight, self.norm_conv.eps,
+                            self.hidden)  # fmt: skip
+        # gated + silu(causal depthwise conv, dilation ngram_size, over each request's window ++ chunk of norm_conv(gated))
         out = dispatch(short_conv, short_conv_reference, x, gated, state.conv, batch.query_start_loc, batch.slot_ids,
                        batch.has_initial_state, batch.num_accepted, self.conv1d.weight[:, 0], self.spec.ngram_size, out=out)  # fmt: skip
         write_window(state.conv, batch, x, self.state_len, 0)  # after the conv has read the windows
