@@ -81,10 +81,11 @@ def test_the_tolerance_sees_a_window_read_from_the_wrong_offset():
 
 
 @pytest.mark.cpu_only
-def test_empty_batches_launch_nothing():
+def test_empty_batches_change_nothing():
     b, conv, ngram, x, ids = _batch(0, False, "cpu")
     empty = dict(qsl=torch.zeros(1, dtype=torch.int32), slot_ids=torch.empty(0, dtype=torch.int64),
                  has_initial_state=torch.empty(0, dtype=torch.bool))  # fmt: skip
-    assert torch.equal(store_window(conv.clone(), x[:0], empty["qsl"], empty["slot_ids"], empty["has_initial_state"], None, None, L, 0), conv)
-    out = short_conv(x[:0], x[:0], conv, empty["qsl"], empty["slot_ids"], empty["has_initial_state"], None, torch.ones(C, K).bfloat16(), DILATION)
-    assert out.shape == (0, C)
+    args = (empty["qsl"], empty["slot_ids"], empty["has_initial_state"], None)
+    for store, conv_of in ((store_window, short_conv), (store_window_reference, short_conv_reference)):
+        assert torch.equal(store(conv.clone(), x[:0], *args, None, L, 0), conv)
+        assert conv_of(x[:0], x[:0], conv, *args, torch.ones(C, K).bfloat16(), DILATION).shape == (0, C)

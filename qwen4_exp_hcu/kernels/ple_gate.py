@@ -17,9 +17,9 @@ from qwen4_exp_hcu.kernels.hyper_connection import inject_norm_reference
 
 def ple_gate_reference(key, hidden, value, key_w, query_w, conv_w, eps: float, group: int):
     """(gated [T, hc*H], its grouped norm): `key` the key projection [T, hc*H], `hidden` the streams, `value` [T, H]."""
-    T = key.shape[0]
-    k = inject_norm_reference(key, key_w, eps, group)[1].view(T, -1, group)
-    q = inject_norm_reference(hidden, query_w, eps, group)[1].view(T, -1, group)
+    streams = (key.shape[0], key.shape[1] // group, group)  # explicit: a batch of no tokens too
+    k = inject_norm_reference(key, key_w, eps, group)[1].view(streams)
+    q = inject_norm_reference(hidden, query_w, eps, group)[1].view(streams)
     gate = (k * q).sum(-1, keepdim=True) / math.sqrt(group)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
