@@ -14,8 +14,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      follows the synthetic target (`tiny.add_mtp_head(follow_target=True)`: nearly every
                      draft accepted, so the ceiling of the speed-up; the acceptance rate is reported)
   host_int8_hot_rows host_int8 with a 1 GiB GPU hot-row cache filled from served traffic
-  host_int8_files{50,20,5}  host_int8 with `host_table_gib` at 50/20/5 % of the table: the most-read rows
-                     resident (from served traffic), the rest read from the checkpoint's files per lookup
+  host_int8_files{100,50,20,5}  host_int8 with `host_table_gib` at 100/50/20/5 % of the table: the most-read
+                     rows resident (from served traffic), the rest read from the checkpoint's files per lookup
+                     (at 100 % every row is resident: the tier's own cost, the host round trip per lookup)
                      (`ple.file_rows`; no full graphs: an unset cudagraph_mode becomes PIECEWISE)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
                      one graph, which the file tier's figures include and this variant separates out
@@ -67,7 +68,8 @@ VARIANTS = {
     "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
-    **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100}, "int8") for p in (50, 20, 5)},
+    # 100 %: a little over the table's bytes, so float rounding of the GiB setting cannot leave one row in the files
+    **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100 if p < 100 else 1.001}, "int8") for p in (100, 50, 20, 5)},
     "host_int8_piecewise": ({}, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, "int8"),
     "host_fp8": ({}, {}, "fp8"),
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
@@ -456,7 +458,7 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
         results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
     ratios = {}
     ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
-            *(f"host_int8_files{p}" for p in (50, 20, 5)))  # fmt: skip
+            *(f"host_int8_files{p}" for p in (100, 50, 20, 5)))  # fmt: skip
     for key in results:  # VARIANT or VARIANT@SOURCE, against the references measured on the same prompts
         name, at, kind = key.partition("@")
         if name not in ours:
