@@ -20,6 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
+def group_rms_norm(x, w_ptr, g, G, cols, mask, eps):
+    """The zero-centred RMSNorm of group g (one program's `cols`), in fp32; also the PLE gate's three norms."""
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / G + eps)
+    return h * (1.0 + tl.load(w_ptr + g * G + cols, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _inject_norm_kernel(
     x_ptr, block_ptr, w_ptr, norm_w_ptr, streams_ptr, normed_ptr, G, eps,
     N_GROUPS: tl.constexpr, INJECT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
@@ -35,9 +43,7 @@ def _inject_norm_kernel(
         x = (x.to(tl.float32) + (w * b.to(tl.float32)).to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(streams_ptr + at, x, mask=mask)
     if NORM:
-        h = x.to(tl.float32)
-        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / G + eps)
-        h = h * (1.0 + tl.load(norm_w_ptr + g * G + cols, mask=mask, other=0.0).to(tl.float32))
+        h = group_rms_norm(x, norm_w_ptr, g, G, cols, mask, eps)
         tl.store(normed_ptr + at, h.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
@@ -76,7 +82,7 @@ def _gate_mix_kernel(
             tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
 
 
-def _warps(block: int) -> int:
+def group_warps(block: int) -> int:
     """A whole group per program: more warps for wider groups (a group of 2560 values -> 8, the MTP head's single
     group of 10 240 -> 16): at most 32 values per thread up to that width."""
     return min(max(block // 512, 4), 16)
@@ -111,7 +117,7 @@ def inject_norm(
             x, x if block_out is None else block_out.contiguous(), x if weights is None else weights.contiguous(),
             x if norm_weight is None else norm_weight, streams, x if normed is None else normed, group, eps,
             N_GROUPS=n_groups, INJECT=block_out is not None, NORM=norm_weight is not None, BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=group_warps(block),
         )  # fmt: skip
     return streams, normed
 

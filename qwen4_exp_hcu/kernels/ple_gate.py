@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen4_exp_hcu.kernels.hyper_connection import inject_norm_reference
+from qwen4_exp_hcu.kernels.hyper_connection import group_rms_norm, group_warps, inject_norm_reference
 
 
 def ple_gate_reference(key, hidden, value, key_w, query_w, conv_w, eps: float, group: int):
@@ -27,14 +27,6 @@ def ple_gate_reference(key, hidden, value, key_w, query_w, conv_w, eps: float, g
 
 
 @triton.jit
-def _norm(x, w_ptr, g, G, cols, mask, eps):
-    """fp32 zero-centred RMSNorm of one group, rounded to x's dtype."""
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / G + eps)
-    return (h * (1.0 + tl.load(w_ptr + g * G + cols, mask=mask, other=0.0).to(tl.float32))).to(x.dtype)
-
-
-@triton.jit
 def _ple_gate_kernel(
     key_ptr, hidden_ptr, value_ptr, kw_ptr, qw_ptr, cw_ptr, gated_ptr, normed_ptr, G, eps, root,
     HC: tl.constexpr, BLOCK: tl.constexpr,
@@ -44,9 +36,10 @@ def _ple_gate_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < G
     at = row * HC * G + g * G + cols
-    k = _norm(tl.load(key_ptr + at, mask=mask, other=0.0), kw_ptr, g, G, cols, mask, eps)
-    q = _norm(tl.load(hidden_ptr + at, mask=mask, other=0.0), qw_ptr, g, G, cols, mask, eps)
-    dt = k.dtype
+    key = tl.load(key_ptr + at, mask=mask, other=0.0)
+    dt = key.dtype
+    k = group_rms_norm(key, kw_ptr, g, G, cols, mask, eps).to(dt)
+    q = group_rms_norm(tl.load(hidden_ptr + at, mask=mask, other=0.0), qw_ptr, g, G, cols, mask, eps).to(dt)
     gate = tl.sum((k.to(tl.float32) * q.to(tl.float32)).to(dt).to(tl.float32), axis=0).to(dt).to(tl.float32)
     gate = (gate / root).to(dt).to(tl.float32)
     mag = tl.sqrt(tl.maximum(tl.abs(gate), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -54,7 +47,7 @@ def _ple_gate_kernel(
     weight = tl.sigmoid(gate).to(dt).to(tl.float32)
     gated = (weight * tl.load(value_ptr + row * G + cols, mask=mask, other=0.0).to(tl.float32)).to(dt)
     tl.store(gated_ptr + at, gated, mask=mask)
-    tl.store(normed_ptr + at, _norm(gated, cw_ptr, g, G, cols, mask, eps), mask=mask)
+    tl.store(normed_ptr + at, group_rms_norm(gated, cw_ptr, g, G, cols, mask, eps).to(dt), mask=mask)
 
 
 def ple_gate(key, hidden, value, key_w, query_w, conv_w, eps: float, group: int):
@@ -67,6 +60,6 @@ def ple_gate(key, hidden, value, key_w, query_w, conv_w, eps: float, group: int)
         block = triton.next_power_of_2(group)
         _ple_gate_kernel[(key.shape[0], key.shape[1] // group)](
             key, hidden, value, key_w, query_w, conv_w, gated, normed, group, eps, math.sqrt(group),
-            HC=key.shape[1] // group, BLOCK=block, num_warps=min(max(block // 512, 4), 16),
+            HC=key.shape[1] // group, BLOCK=block, num_warps=group_warps(block),
         )  # fmt: skip
     return gated, normed

@@ -7,7 +7,6 @@ workspace runs early) -> key/value projections -> grouped norms -> gate -> dilat
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
