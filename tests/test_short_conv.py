@@ -46,7 +46,7 @@ def _assert_close(got, want):
 def test_store_window_matches_reference(device, speculative, seed):
     b, conv, ngram, x, ids = _batch(seed, speculative, device)
     args = (b["qsl"], b["slot_ids"], b["has_initial_state"], b["num_accepted"], b["verify"])
-    for state, chunk, length, fill in ((conv, x, L, 0), (ngram, ids, 2, 7)):
+    for state, chunk, length, fill in ((conv, x, L, 0), (ngram, ids, 2, 7), (ngram, ids, 2, 1)):
         want = store_window_reference(state.clone(), chunk, *args, length, fill)
         got = store_window(state.clone(), chunk, *args, length, fill)
         assert torch.equal(got, want)

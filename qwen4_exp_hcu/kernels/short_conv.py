@@ -69,7 +69,7 @@ def short_conv_reference(x, residual, stored, qsl, slot_ids, has_initial_state, 
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["fill"])  # a fill of 1 would become a Python int (no `.to`)
 def _store_window_kernel(
     stored_ptr, chunk_ptr, qsl_ptr, slot_ptr, init_ptr, accepted_ptr, verify_ptr, fill,
     S, E, L, slot_stride, pos_stride,
