@@ -2,14 +2,15 @@
 `kernels.hyper_connection`, side by side in one run, each replayed as a CUDA graph (what a FULL_DECODE_ONLY
 decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
-    python benchmarks/bench_hyper_connection.py [--tokens 1 32 256 4096 16384] [--out benchmarks/results/hyper_connection]
+    python benchmarks/bench_hyper_connection.py [--tokens 1 4 8 32 48 256 4096 16384] [--out benchmarks/results/hyper_connection]
 
 Both variants run the same block: the pending injection fused into (kernels) or ahead of (torch) the grouped
 norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gated mix. The GEMMs are
 `F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
-Reported: µs per hyper-connection, the ratios torch / kernels and unpadded / padded, and the kernels'
-outputs' largest difference from torch's. Writes JSON + PNG into `--out`.
+`kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
+one Triton launch. Reported: µs per hyper-connection, the ratios torch / kernels, unpadded / padded and
+cuBLAS + silu / fused, and every variant's outputs' largest difference from torch's. Writes JSON + PNG into `--out`.
 """
 
 from __future__ import annotations
@@ -30,19 +31,24 @@ PAD = -(RANK + HC) % 16  # the merged GEMM's rows padded to 16 columns (`model.h
 
 TORCH = (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference)
 KERNELS = (hc.inject_norm, hc.scaled_silu, hc.gate_mix)
-OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0)}  # (ops, padding)
+OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0), "kernels_down_silu": (KERNELS, PAD)}
+COUNTS = {}  # the fused variant's tile counters, made once
 
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w):
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
+    if variant == "kernels_down_silu":
+        counts = COUNTS.setdefault("counts", torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=normed.device))
+        silu, rest = hc.down_silu(normed, down_w[: RANK + HC + pad], RANK, float(HC), counts)
+        return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256, 4096, 16384])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 48, 256, 4096, 16384])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hyper_connection"))
     args = parser.parse_args()
     dev, dt = "cuda", torch.bfloat16
@@ -55,17 +61,21 @@ def main() -> None:
         streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
-        for name in OPS:
+        for name in (n for n in OPS if n != "kernels_down_silu" or t <= hc.DOWN_SILU_MAX_TOKENS):
             run = lambda: block(name, streams, pending, norm_w, down_w, up_w)  # noqa: E731
             outputs[name] = run()
             row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3}
             if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly
                 row[name]["eager_us"] = do_bench(run, rep=200) * 1e3
-        leaves = {name: torch.utils._pytree.tree_leaves(outputs[name]) for name in OPS}
-        pairs = [(a, b) for name in OPS if name != "torch" for a, b in zip(leaves["torch"], leaves[name])]
-        row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        leaves = {name: torch.utils._pytree.tree_leaves(out) for name, out in outputs.items()}
+        row["max_abs_diff"] = {
+            name: max((a.float() - b.float()).abs().max().item() for a, b in zip(leaves["torch"], leaves[name], strict=True))
+            for name in outputs if name != "torch"
+        }  # fmt: skip
         row["ratio_graph"] = row["torch"]["graph_us"] / row["kernels"]["graph_us"]
         row["ratio_padding"] = row["kernels_unpadded"]["graph_us"] / row["kernels"]["graph_us"]
+        if "kernels_down_silu" in row:
+            row["ratio_down_silu"] = row["kernels"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
         results[t] = row
         print(t, json.dumps(row))
     out = Path(args.out)
@@ -90,7 +100,8 @@ def plot(report: dict, path: Path) -> None:
     tokens = list(report["results"])
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in OPS:
-        ax.plot(range(len(tokens)), [report["results"][t][name]["graph_us"] for t in tokens], marker="o", label=name)
+        shown = [i for i, t in enumerate(tokens) if name in report["results"][t]]
+        ax.plot(shown, [report["results"][tokens[i]][name]["graph_us"] for i in shown], marker="o", label=name)
     ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
     ax.set_yscale("log")
     ax.set_xlabel("tokens")

@@ -129,6 +129,10 @@ def _window_launches(cfg) -> dict[str, Launch]:
                 torch.zeros(4, ctx, 2, dtype=torch.int64)[..., 0],  # entries 2 apart: a stride of 1 would become a constant
                 torch.zeros(4, dtype=ids), qsl, slots, init, *drafts, ctx - extra, NgramHashSpec.from_config(cfg, 0).eos_token_id,
             )  # fmt: skip
+        launches[f"store-ngram-fill_1{suffix}"] = _record(  # a fill of 1 would be a constant if specialized
+            short_conv, "_store_window_kernel", short_conv.store_window, torch.zeros(4, ctx, 2, dtype=torch.int64)[..., 0],
+            torch.zeros(4, dtype=torch.int64), qsl, slots, init, *drafts, ctx - extra, 1,
+        )  # fmt: skip
         for dtype in (torch.bfloat16,) if spec else (torch.bfloat16, torch.float16, torch.float32):
             state, x = torch.zeros(4, window, width, dtype=dtype), torch.zeros(4, width, dtype=dtype)
             weight = torch.zeros(width, cfg.ple_conv_kernel_size, dtype=dtype)
@@ -151,7 +155,8 @@ def _window_launches(cfg) -> dict[str, Launch]:
 
 def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     """A decoder layer's and the final mixer's calls at the release's shape, bf16: the injection fused with the
-    norm, each alone, the silu over the merged GEMM's column slice, the mix with and without injection weights."""
+    norm, each alone, the silu over the merged GEMM's column slice, the mix with and without injection weights,
+    the decode GEMM with its silu at one token and at 32."""
     hc, h, rank, t = cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 3
     streams, weight = torch.zeros(t, hc * h, dtype=torch.bfloat16), torch.zeros(hc * h, dtype=torch.bfloat16)
     pending = (torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, hc, dtype=torch.bfloat16))
@@ -165,6 +170,10 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
         "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank : rank + hc]),
         "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
     }
+    counts, down_w = torch.zeros(64, dtype=torch.int32), torch.zeros(merged.shape[1], hc * h, dtype=torch.bfloat16)
+    for tokens in (1, 32):  # multiply-adds, and dots
+        normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
+        calls[f"down-silu-{tokens}"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
     return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
 
 
@@ -201,7 +210,10 @@ def aot_compile(launch: Launch, target: GPUTarget, specialize: bool):
             ty, spec = "constexpr", ""
             constexprs[param.name] = value
         else:
-            ty, spec = native_specialize_impl(type(backend), value, False, specialize, specialize)
+            ty, spec = native_specialize_impl(
+                type(backend), value, False, specialize and not param.do_not_specialize,
+                specialize and not param.do_not_specialize_on_alignment,
+            )  # fmt: skip  (as the JIT: a `do_not_specialize` argument stays a value)
             assert ty != "constexpr", f"{param.name}={value} is specialized to a constant: pick another stand-in"
         signature[param.name] = ty
         if spec is not None:  # None: not specialized, no attributes

@@ -97,6 +97,54 @@ def test_gate_mix_matches_reference(device, dtype, with_logits, block):
     _assert_all_close(hc.gate_mix(up, normed, HC, logits, block=block), hc.gate_mix_reference(up, normed, HC, logits))
 
 
+def _down_silu_inputs(t, dtype, device, n=40, k=600):
+    """A merged weight of n rows (not a multiple of the kernel's 16 columns) over k inputs (not of its K block)."""
+    x = _randn(t, k, dtype=dtype, seed=t, device=device)
+    return x, _randn(n, k, dtype=dtype, seed=100 + t, scale=0.05, device=device), torch.zeros(64, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 5, 17, hc.DOWN_SILU_MAX_TOKENS])  # multiply-adds up to 4 rows, dots above
+def test_down_silu_matches_reference(device, dtype, tokens):
+    """Column slices as the model takes them; the tile counters end at zero (the next launch's start), and a
+    second launch gives the same bits (the K splits are added in a fixed order)."""
+    x, weight, counts = _down_silu_inputs(tokens, dtype, device)
+    got = hc.down_silu(x, weight, 30, 4.0, counts)
+    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    assert not counts.any()
+    assert all(map(torch.equal, hc.down_silu(x, weight, 30, 4.0, counts), got))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_down_silu_reads_rows_at_any_stride(device):
+    """ROCm's vLLM pads a weight's rows against cache aliasing; the inputs may be a slice of a wider tensor."""
+    x, weight, counts = _down_silu_inputs(3, torch.bfloat16, device)
+    wide_x, wide_w = torch.zeros(3, 700, dtype=x.dtype, device=device), torch.zeros(40, 664, dtype=x.dtype, device=device)
+    wide_x[:, :600], wide_w[:, :600] = x, weight
+    got = hc.down_silu(wide_x[:, :600], wide_w[:, :600], 30, 4.0, counts)
+    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+
+
+@cpu_only
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_the_tolerance_sees_the_silu_on_the_wrong_columns(tokens):
+    """The injection logits pass through unchanged: a silu over one more column must fail."""
+    x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, "cpu")
+    down, rest = hc.down_silu(x, weight, 31, 4.0, counts)
+    with pytest.raises(AssertionError):
+        _assert_all_close((down[:, :30], torch.cat((down[:, 30:], rest), -1)), hc.down_silu_reference(x, weight, 30, 4.0))
+
+
+@cpu_only
+def test_down_silu_refuses_what_it_does_not_serve():
+    x, weight, counts = _down_silu_inputs(hc.DOWN_SILU_MAX_TOKENS + 1, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="49 rows"):
+        hc.down_silu(x, weight, 30, 4.0, counts)
+    with pytest.raises(ValueError, match="tile counters"):
+        hc.down_silu(x[:1], weight, 30, 4.0, counts[:2])
+
+
 @cpu_only
 def test_empty_batches_launch_nothing():
     x = torch.empty(0, HC * H)
@@ -144,7 +192,7 @@ def test_gated_residual_runs_the_kernels_as_its_reference(tiny_model, monkeypatc
 
 
 ALLOCATIONS_AND_VIEWS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
-                         "aten.view.default", "aten.split_with_sizes.default"}  # fmt: skip
+                         "aten.view.default", "aten.split_with_sizes.default", "aten.slice.Tensor"}  # fmt: skip
 
 
 @cpu_only

@@ -5,7 +5,10 @@ twenty per hyper-connection; in a CUDA graph at small batches their launches, no
 * `inject_norm`: `streams + w[s] * block_out` for each stream s (optional) fused with the zero-centred grouped
   RMSNorm of every group (the norm optional too: the injection alone ends a decoder layer);
 * `scaled_silu`: `silu(x / scale)` (the low-rank activation);
-* `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights).
+* `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights);
+* `down_silu`: at a few tokens (decode), the merged down + injection GEMM with `scaled_silu` on its down columns,
+  one launch where cuBLAS took a split-K GEMM, its reduction and the silu (vLLM's class fuses the same with a
+  CuTe DSL kernel, NVIDIA only).
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
 Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt
@@ -80,6 +83,49 @@ def _gate_mix_kernel(
             scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
             weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
             tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
+
+
+@triton.jit(do_not_specialize=["T"])  # one kernel per block shape, not a second one for a single token
+def _down_silu_kernel(
+    x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
+    tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
+    as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
+    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < T, cols < N
+    span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * span, tl.minimum(split * span + span, K), BLOCK_K):
+        k = k0 + ks
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies bf16 dots wrongly; fp32 holds bf16 values exactly
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if DOT:
+            acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 models: no tf32
+        else:  # one to a few rows: multiply-adds (a dot needs 16 rows)
+            acc += tl.sum(x[:, :, None].to(tl.float32) * w[None, :, :].to(tl.float32), axis=1)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    at = rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(part_ptr + split * T * N + at, acc, mask=mask)
+    if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+        y = total.to(down_ptr.dtype.element_ty)
+        h = (y.to(tl.float32) / scale).to(y.dtype).to(tl.float32)
+        is_down = (cols < rank)[None, :]
+        tl.store(down_ptr + rows[:, None] * rank + cols[None, :], (h * tl.sigmoid(h)).to(y.dtype), mask=mask & is_down)
+        tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=mask & ~is_down)
+        tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
 
 
 def group_warps(block: int) -> int:
@@ -163,3 +209,40 @@ def gate_mix(
             HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK=block,
         )  # fmt: skip
     return mixed, weights
+
+
+DOWN_SILU_MAX_TOKENS = 48  # above: the GEMM library's kernels (vLLM's class stops fusing there too)
+DOWN_SILU_TILES = 64  # counters a `down_silu` caller holds: column blocks x row blocks at the most tokens
+
+
+def down_silu_reference(
+    x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`scaled_silu` of `x @ weight.T`'s first `rank` columns, its other columns), each contiguous."""
+    y = torch.nn.functional.linear(x, weight)
+    return scaled_silu_reference(y[:, :rank], scale), y[:, rank:].contiguous()
+
+
+def down_silu(
+    x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`down_silu_reference` in one launch for 1..DOWN_SILU_MAX_TOKENS rows; `counts`: int32 zeros, at least
+    DOWN_SILU_TILES, each launch leaves them zero (the caller's, not shared across streams)."""
+    (t, k), n = x.shape, weight.shape[0]
+    if not 1 <= t <= DOWN_SILU_MAX_TOKENS:
+        raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
+    # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
+    x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
+    dot = t > 4
+    block_m, block_n = (max(16, triton.next_power_of_2(t)) if dot else triton.next_power_of_2(t)), 16
+    block_k = 128 if dot else 256 // block_m
+    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), 8)  # 8 K splits: 168 programs at N = 336
+    if counts.numel() < grid[0] * grid[1]:
+        raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
+    down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
+    part = torch.empty(grid[2], t, n, dtype=torch.float32, device=x.device)
+    _down_silu_kernel[grid](
+        x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
+        SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
+    )  # fmt: skip
+    return down, rest

@@ -5,15 +5,20 @@ gated low-rank mix collapses the (normalised) streams into the block input; afte
 output is injected back into every stream with a per-stream weight `2 * sigmoid(.)`.
 The matrices are tiny (rank `hc_lowrank`), so they are replicated across TP ranks. The glue between
 them runs as three kernels (`kernels.hyper_connection`); the previous block's injection is fused
-with the streams' norm.
+with the streams' norm, and at decode sizes the down GEMM with its silu.
 """
 
 import torch
 from torch import nn
+from vllm import envs
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.hyper_connection import (
+    DOWN_SILU_MAX_TOKENS,
+    DOWN_SILU_TILES,
+    down_silu,
+    down_silu_reference,
     gate_mix,
     gate_mix_reference,
     inject_norm,
@@ -49,6 +54,7 @@ class GatedResidual(nn.Module):
             prefix=f"{prefix}.input_mix_weight_down_block_inject",
         )  # fmt: skip
         self.input_mix_weight_down_block_inject.weight.data[sum(self.sizes) :].zero_()
+        self.register_buffer("down_silu_counts", torch.zeros(DOWN_SILU_TILES, dtype=torch.int32), persistent=False)
         self.input_mix_weight_up = ReplicatedLinear(
             config.hc_lowrank, hc_hidden, bias=False, return_bias=False, prefix=f"{prefix}.input_mix_weight_up"
         )
@@ -62,10 +68,17 @@ class GatedResidual(nn.Module):
         norm = self.hc_norm
         streams, normed = dispatch(inject_norm, inject_norm_reference, streams, norm.weight, norm.eps,
                                    norm.group_size, block_out, weights)  # fmt: skip
-        # views of the one GEMM's output (down, logits, padding): the kernels read them in place
-        parts = self.input_mix_weight_down_block_inject(normed).split(self.input_mix_weight_down_block_inject.output_sizes, -1)
-        down, logits = parts[0], parts[1] if self.use_combine else None
-        up = self.input_mix_weight_up(dispatch(scaled_silu, scaled_silu_reference, down, float(self.hc_count)))
+        # the one GEMM's output: down (through the silu), then logits and padding, read in place by the mix
+        linear, rank, scale = self.input_mix_weight_down_block_inject, self.sizes[0], float(self.hc_count)
+        if normed.device.type == "cuda" and 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS and not envs.VLLM_BATCH_INVARIANT:
+            # decode: GEMM and silu in one launch (not on the CPU: vLLM repacks the weight for its own GEMM there)
+            down, rest = dispatch(down_silu, down_silu_reference, normed, linear.weight, rank, scale,
+                                  options={"counts": self.down_silu_counts})  # fmt: skip
+        else:
+            merged = linear(normed)
+            down, rest = dispatch(scaled_silu, scaled_silu_reference, merged[:, :rank], scale), merged[:, rank:]
+        logits = rest[:, : self.hc_count] if self.use_combine else None
+        up = self.input_mix_weight_up(down)
         mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
         return mixed if logits is None else (streams, mixed, weights)
 
