@@ -116,6 +116,7 @@ def _down_silu_kernel(
     at = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(part_ptr + split * T * N + at, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the counter's release (one thread performs it)
     if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(SPLIT):
