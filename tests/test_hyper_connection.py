@@ -243,3 +243,25 @@ def test_the_merged_gemm_writes_aligned_rows(tiny_model):
         assert not linear.weight[sum(residual.sizes) :].any()
     streams, _ = _inputs(tiny_model.config)
     assert mixer(streams).shape == (T, tiny_model.config.hidden_size)
+
+
+@pytest.mark.vllm
+def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeypatch):
+    """Which batches take `down_silu`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
+    CUDA graph; never on the CPU, under torch.compile or in vLLM's batch-invariant mode."""
+    from types import SimpleNamespace
+
+    from vllm import envs
+
+    from qwen4_exp_hcu.model.hyper_connection import GatedResidual
+
+    def fused(tokens, device="cuda"):
+        return GatedResidual._fuse_down(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)))
+
+    assert [fused(t) for t in (0, 1, hc.DOWN_SILU_MAX_TOKENS, hc.DOWN_SILU_MAX_TOKENS + 1)] == [False, True, True, False]
+    assert not fused(1, "cpu")
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
+    assert not fused(1)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused(1)

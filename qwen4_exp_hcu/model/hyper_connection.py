@@ -18,7 +18,6 @@ from qwen4_exp_hcu.kernels.hyper_connection import (
     DOWN_SILU_MAX_TOKENS,
     DOWN_SILU_TILES,
     down_silu,
-    down_silu_reference,
     gate_mix,
     gate_mix_reference,
     inject_norm,
@@ -70,10 +69,8 @@ class GatedResidual(nn.Module):
                                    norm.group_size, block_out, weights)  # fmt: skip
         # the one GEMM's output: down (through the silu), then logits and padding, read in place by the mix
         linear, rank, scale = self.input_mix_weight_down_block_inject, self.sizes[0], float(self.hc_count)
-        if normed.device.type == "cuda" and 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS and not envs.VLLM_BATCH_INVARIANT:
-            # decode: GEMM and silu in one launch (not on the CPU: vLLM repacks the weight for its own GEMM there)
-            down, rest = dispatch(down_silu, down_silu_reference, normed, linear.weight, rank, scale,
-                                  options={"counts": self.down_silu_counts})  # fmt: skip
+        if self._fuse_down(normed):
+            down, rest = down_silu(normed, linear.weight, rank, scale, self.down_silu_counts)
         else:
             merged = linear(normed)
             down, rest = dispatch(scaled_silu, scaled_silu_reference, merged[:, :rank], scale), merged[:, rank:]
@@ -81,6 +78,16 @@ class GatedResidual(nn.Module):
         up = self.input_mix_weight_up(down)
         mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
         return mixed if logits is None else (streams, mixed, weights)
+
+    @staticmethod
+    def _fuse_down(normed: torch.Tensor) -> bool:
+        """Decode sizes on an accelerator, eagerly or in a CUDA graph: the GEMM and the silu in one launch. Not on
+        the CPU (vLLM repacks the weight for its own GEMM there), not under torch.compile (Inductor fuses the
+        references; no guard on the batch size), not in vLLM's batch-invariant mode (the kernel's sum order
+        changes with the batch)."""
+        if torch.compiler.is_compiling() or normed.device.type != "cuda" or envs.VLLM_BATCH_INVARIANT:
+            return False
+        return 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS
 
 
 def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
