@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU runs of tests/README.md and docs/PERFORMANCE.md, step by step, on the device machine (vLLM 0.33 through
+# ../shared/gpu-vllm; the CuTe DSL and FA3 of gpu_cute_dsl.sh when stashed there). Carry [".gpu-vllm"], then:
+#   STEPS...                       what runs, in order, in one call:
+#   hc                             benchmarks/bench_hyper_connection.py            -> $OUT/hyper_connection
+#   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time)
+#   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
+#                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
+#   test                           pytest $TESTS (LIM: seconds, default 500)
+# e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
+# Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
+source .gpu-vllm/setup.sh
+[ -f /tmp/dsl-stash/name ] && source tests/gpu_cute_dsl.sh install
+B="--geometry release --table-gb 13 --layers 48 --indexer-budget 2048"
+W=/tmp/bench_serve/release-13gb-48layers-budget2048
+for step in "$@"; do
+  t0=$(date +%s); echo "=== $step"
+  case $step in
+  hc) python3 benchmarks/bench_hyper_connection.py --out "$OUT/hyper_connection" 2>&1 | tail -25 ;;
+  write) python3 - <<'PY' 2>&1 | tail -5
+import os, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import bench_serve as b
+model = {**b.release_model(13.0), **b.depth(48), "indexer_budget": 2048}
+print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13gb-48layers-budget2048")), model,
+                          set(os.environ.get("KINDS", "int8 fp8").split())))
+PY
+  ;;
+  serve) python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
+           --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
+         for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
+  test) timeout "${LIM:-500}" python3 -m pytest -q -x -rs -p no:cacheprovider $TESTS 2>&1 | tail -"${TAIL:-40}" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+  echo "=== $step done in $(( $(date +%s) - t0 )) s"
+done
