@@ -151,10 +151,21 @@ def tensor_bytes(model) -> dict:
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
 
 
+def _active(events) -> tuple[float, dict[str, float]]:
+    """µs with at least one GPU event running (intervals merged across streams), and busy µs per stream."""
+    active, end, streams = 0.0, float("-inf"), {}
+    for start, stop, stream in sorted((e.time_range.start, e.time_range.end, str(e.device_resource_id)) for e in events):
+        streams[stream] = streams.get(stream, 0.0) + stop - start
+        if stop > end:
+            active, end = active + stop - max(start, end), stop
+    return active, streams
+
+
 def profile_decode(llm, prompts, top: int = 12) -> dict:
     """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (prefill run subtracted),
     the kernels taking the most time, and those launched most often (what a class with more launches per step
-    launches more of)."""
+    launches more of). GPU-active time (any stream running) splits wall - busy into idle GPU (wall - active) and
+    overlap across streams (busy - active)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -173,16 +184,18 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
                 entry = kernels.setdefault(e.key, [0.0, 0])
                 entry[0] += e.self_device_time_total
                 entry[1] += e.count
-        return wall, kernels
+        return wall, kernels, _active([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
-    wall1, k1 = run(1)
-    wall, k = run(1 + PROFILE_TOKENS)
+    wall1, k1, (active1, streams1) = run(1)
+    wall, k, (active, streams) = run(1 + PROFILE_TOKENS)
     # per decode step: (us, events)
     decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
               for name, (t, c) in k.items()}  # fmt: skip
     return {
         "wall_us_per_step": (wall - wall1) * 1e6 / PROFILE_TOKENS,
         "gpu_busy_us_per_step": sum(us for us, _ in decode.values()),
+        "gpu_active_us_per_step": (active - active1) / PROFILE_TOKENS,
+        "busy_us_per_step_by_stream": {s: (us - streams1.get(s, 0.0)) / PROFILE_TOKENS for s, us in streams.items()},
         "kernels_per_step": sum(c for _, c in decode.values()),  # GPU events (kernels, copies): small ones cost their launch
         "top_kernels_us_per_step": {n: us for n, (us, _) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:top]},
         "most_launched_per_step": {n: [c, us] for n, (us, c) in sorted(decode.items(), key=lambda kv: -kv[1][1])[: 3 * top]},
