@@ -7,6 +7,8 @@
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #   test                           pytest $TESTS (LIM: seconds, default 500)
+#   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
+#                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 # e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
 # Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
 source .gpu-vllm/setup.sh
@@ -31,6 +33,7 @@ PY
            --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
   test) timeout "${LIM:-500}" python3 -m pytest -q -x -rs -p no:cacheprovider $TESTS 2>&1 | tail -"${TAIL:-40}" ;;
+  drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "=== $step done in $(( $(date +%s) - t0 )) s"
