@@ -154,6 +154,18 @@ def test_pipeline_parallel_is_rejected(vllm_process, bf16_path, architecture):
         engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides=overrides)
 
 
+def test_micro_batching_is_rejected():
+    """Dual-batch overlap runs two micro-batches' layers at once; a layer's PLE prefetch workspace and tile
+    counters are its own, one micro-batch at a time: refused at init, naming the settings."""
+    from types import SimpleNamespace
+
+    from qwen4_exp_hcu.model.model import _check_parallel_config
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, use_ubatching=True))
+    with pytest.raises(ValueError, match=r"micro-batching \(--enable-dbo, --ubatch-size > 1\)"):
+        _check_parallel_config(config)
+
+
 def test_cpu_offload_needs_uva():
     from qwen4_exp_hcu.model.ple_placement import check_uva
 

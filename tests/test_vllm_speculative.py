@@ -220,7 +220,7 @@ def test_speculators_that_need_a_draft_model_are_rejected():
 
     def config(method, v2=True):
         return SimpleNamespace(
-            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1, use_ubatching=False),
             model_config=SimpleNamespace(hf_text_config=load_config()),
             speculative_config=SimpleNamespace(method=method),
             use_v2_model_runner=v2,

@@ -79,6 +79,11 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
             f"(pipeline_parallel_size={pp}): PLE needs the raw token ids on every rank. "
             "Use tensor/data parallelism instead."
         )
+    if vllm_config.parallel_config.use_ubatching:
+        raise ValueError(
+            "qwen4_exp_hcu's Qwen4ExpForCausalLM does not support micro-batching (--enable-dbo, --ubatch-size > 1): "
+            "each layer's PLE prefetch workspace and hyper-connection tile counters serve one micro-batch at a time."
+        )
     config = vllm_config.model_config.hf_text_config
     spec = vllm_config.speculative_config
     if spec is None:
