@@ -32,14 +32,12 @@ PAD = -(RANK + HC) % 16  # the merged GEMM's rows padded to 16 columns (`model.h
 TORCH = (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference)
 KERNELS = (hc.inject_norm, hc.scaled_silu, hc.gate_mix)
 OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0), "kernels_down_silu": (KERNELS, PAD)}
-COUNTS = {}  # the fused variant's tile counters, made once
 
 
-def block(variant: str, streams, pending, norm_w, down_w, up_w):
+def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant == "kernels_down_silu":
-        counts = COUNTS.setdefault("counts", torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=normed.device))
         silu, rest = hc.down_silu(normed, down_w[: RANK + HC + pad], RANK, float(HC), counts)
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
@@ -56,13 +54,14 @@ def main() -> None:
     norm_w = torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1
     down_w = (torch.randn(RANK + HC + PAD, HC * HIDDEN, device=dev, generator=g) / 100).to(dt)
     up_w = (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)
+    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)  # the fused variant's tile counters
     results = {}
     for t in args.tokens:
         streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
         for name in (n for n in OPS if n != "kernels_down_silu" or t <= hc.DOWN_SILU_MAX_TOKENS):
-            run = lambda: block(name, streams, pending, norm_w, down_w, up_w)  # noqa: E731
+            run = lambda: block(name, streams, pending, norm_w, down_w, up_w, counts)  # noqa: E731
             outputs[name] = run()
             row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3}
             if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly

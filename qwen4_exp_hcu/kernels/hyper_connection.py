@@ -235,7 +235,7 @@ def down_silu(
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
     dot = t > 4
-    block_m, block_n = (max(16, triton.next_power_of_2(t)) if dot else triton.next_power_of_2(t)), 16
+    block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), 16
     block_k = 128 if dot else 256 // block_m
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), 8)  # 8 K splits: 168 programs at N = 336
     if counts.numel() < grid[0] * grid[1]:
