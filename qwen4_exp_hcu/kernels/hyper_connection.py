@@ -110,7 +110,7 @@ def _down_silu_kernel(
             x, w = x.to(tl.float32), w.to(tl.float32)
         if DOT:
             acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 models: no tf32
-        else:  # one to a few rows: multiply-adds (a dot needs 16 rows)
+        else:  # one row: multiply-adds (a dot needs 16 rows)
             acc += tl.sum(x[:, :, None].to(tl.float32) * w[None, :, :].to(tl.float32), axis=1)
     tile = pid_m * tl.num_programs(0) + pid_n
     at = rows[:, None] * N + cols[None, :]
@@ -212,7 +212,9 @@ def gate_mix(
     return mixed, weights
 
 
-DOWN_SILU_MAX_TOKENS = 48  # above: the GEMM library's kernels (vLLM's class stops fusing there too)
+# above: the GEMM library's kernels. H200, one hyper-connection at the release's shape: 1.12x / 1.08x / 1.10x at
+# 1 / 8 / 32 tokens, 0.99x at 48 (benchmarks/results/hyper_connection)
+DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 64  # counters a `down_silu` caller holds: column blocks x row blocks at the most tokens
 
 
@@ -234,7 +236,7 @@ def down_silu(
         raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
-    dot = t > 4
+    dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), 16
     block_k = 128 if dot else 256 // block_m
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), 8)  # 8 K splits: 168 programs at N = 336
