@@ -19,7 +19,7 @@ import torch
 from qwen4_exp_hcu.model.model import ple_storage_report
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
-from helpers.faults import break_state_carry, scale_table_rows
+from helpers.faults import break_state_carry, scale_table_rows, shift_ple_state_restore
 from helpers.references import greedy
 from helpers.scenarios import (
     EOS,
@@ -28,7 +28,9 @@ from helpers.scenarios import (
     MAX_NUM_BATCHED_TOKENS,
     PREFIX_PROMPT,
     PROMPTS,
+    REPEAT,
     logprob_errors,
+    repeat_errors,
 )
 
 pytestmark = pytest.mark.vllm
@@ -107,14 +109,37 @@ def test_distinct_prompts_give_distinct_continuations(tiny):
     assert len({tuple(r["tokens"]) for r in bf16_reference(tiny)}) == len(PROMPTS)
 
 
-def test_prefix_cache_hit_restores_ple_state(tiny, engine):
-    """A prompt longer than one cache block, twice: the second run starts from the cached block's
-    GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions)."""
-    llm = engine.get(tiny["bf16"])
+def prefix_runs(llm):
+    """PREFIX_PROMPT twice: a miss, then a hit that starts from the cached block's states."""
     first, second = (generate(llm, [PREFIX_PROMPT], max_tokens=8, full=True)[0] for _ in range(2))
     assert second.num_cached_tokens > 0 and (first.num_cached_tokens or 0) < second.num_cached_tokens
-    reference = greedy(tiny["bf16"], [PREFIX_PROMPT], 8, tokens([first.outputs[0]]))
-    assert_matches_reference([first.outputs[0], second.outputs[0]], reference * 2)
+    return first.outputs[0], second.outputs[0]
+
+
+def hit_vs_miss(miss, hit) -> torch.Tensor:
+    as_dicts = lambda out: [{t: lp.logprob for t, lp in top.items()} for top in out.logprobs]  # noqa: E731
+    return repeat_errors(as_dicts(hit), as_dicts(miss))
+
+
+def test_prefix_cache_hit_restores_ple_state(tiny, engine):
+    """A prompt longer than one cache block, twice: the second run starts from the cached block's
+    GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions). Against
+    transformers, and the hit against the miss (`REPEAT`: equal here)."""
+    first, second = prefix_runs(engine.get(tiny["bf16"]))
+    reference = greedy(tiny["bf16"], [PREFIX_PROMPT], 8, tokens([first]))
+    assert_matches_reference([first, second], reference * 2)
+    assert second.token_ids == first.token_ids and REPEAT.holds(hit_vs_miss(first, second))
+
+
+def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
+    """A cache hit whose PLE windows are copied one entry late (`faults.shift_ple_state_restore`) must fail the
+    hit-against-miss comparison."""
+    llm = engine.get(tiny["bf16"])
+    with with_fault(shift_ple_state_restore, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
+        first, second = prefix_runs(broken)
+    errors = hit_vs_miss(first, second)
+    print(f"RESTORE-FAULT hit vs miss mean {errors.mean():.4f} max {errors.max():.4f} (tol {REPEAT.mean}, {REPEAT.max})")
+    assert not REPEAT.holds(errors)
 
 
 def test_ple_tables_stay_where_loaded(tiny, engine):

@@ -44,3 +44,22 @@ def scale_table_rows(patch=setattr, factor: float = 1.01) -> None:
         return lookup(self, ids, out=out).mul_(factor)
 
     patch(PLETable, "lookup", scaled)
+
+
+def shift_ple_state_restore(patch=setattr) -> None:
+    """A prefix-cache hit restores each PLE window one entry late (the copy starts one position past the cached
+    block's window). Patched where vLLM's runner looks the copy functions up, since it keeps them once built."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen4_exp_hcu.model.ple import PLE_MAMBA_TYPE
+
+    def shifted(state, block_ids, cur_block_idx, num_accepted_tokens):
+        return get_conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens + 1)
+
+    copy_funcs = GPUModelRunner._get_mamba_state_copy_funcs
+
+    def with_shifted_ple(self):
+        return {**copy_funcs(self), PLE_MAMBA_TYPE: (shifted, shifted)}
+
+    patch(GPUModelRunner, "_get_mamba_state_copy_funcs", with_shifted_ple)
