@@ -267,13 +267,13 @@ def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
-def _reference_model(path: str | Path):
-    """transformers' class for the checkpoint's architecture (multimodal ones too), fp32, eval mode."""
+def _reference_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """transformers' class for the checkpoint's architecture (multimodal ones too), in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     multimodal = hasattr(AutoConfig.from_pretrained(path), "vision_config")
     auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=torch.float32).eval()
+    return auto.from_pretrained(path, dtype=dtype).eval()
 
 
 def _greedy(model, prompt: list[int], max_new_tokens: int, candidate=None, mm_token: int | None = None, mm_type: int = 1,
@@ -299,11 +299,13 @@ def _greedy(model, prompt: list[int], max_new_tokens: int, candidate=None, mm_to
 
 
 @torch.no_grad()
-def reference_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int, candidates=None) -> list[dict]:
-    """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle): per
-    prompt the tokens and the `[max_new_tokens, vocab]` log-probabilities. `candidates`: a guess per prompt
-    (vLLM's tokens) that makes it one forward when right."""
-    model = _reference_model(path)
+def reference_greedy(
+    path: str | Path, prompts: list[list[int]], max_new_tokens: int, candidates=None, dtype: torch.dtype = torch.float32
+) -> list[dict]:
+    """transformers' greedy continuation of each prompt, with fp32 weights (the most exact oracle; bf16 measures
+    the noise a bf16 engine cannot avoid): per prompt the tokens and the `[max_new_tokens, vocab]`
+    log-probabilities. `candidates`: a guess per prompt (vLLM's tokens) that makes it one forward when right."""
+    model = _reference_model(path, dtype)
     return [_greedy(model, p, max_new_tokens, c) for p, c in zip(prompts, candidates or [None] * len(prompts), strict=True)]
 
 
