@@ -1,4 +1,4 @@
-"""The package's two environment variables and the architecture names it serves (a leaf module: the
+"""The package's environment variables and the architecture names it serves (a leaf module: the
 vLLM plugin, the model and the quantization method all read it, none imports another for it)."""
 
 import importlib.util
@@ -8,6 +8,9 @@ DISABLE_ENV = "QWEN4_EXP_HCU_DISABLE"
 """`1`: keep vLLM's own Qwen4Exp class (and its quantization handling); only the alias is ours."""
 PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 """`0`: run each PLE lookup inside its layer instead of prefetching it on a side stream."""
+TORCH_OPS_ENV = "QWEN4_EXP_HCU_TORCH_OPS"
+"""Kernel names (`kernels.SWAPPABLE`, comma-separated, or `all`) that run as their torch references on an
+accelerator too: to isolate a kernel on a new platform, or to find which one moves a result."""
 
 TEXT_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"
 MULTIMODAL_CLASS = "qwen4_exp_hcu.model.multimodal:Qwen4ExpForConditionalGeneration"

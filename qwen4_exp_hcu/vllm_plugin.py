@@ -16,7 +16,9 @@ quantizes their main model (see `qwen4_exp_hcu.model.quant`), and checks the plu
 repeats the root cause as the last line (`qwen4_exp_hcu.startup_report`).
 """
 
-from qwen4_exp_hcu.env import our_architectures
+import os
+
+from qwen4_exp_hcu.env import TORCH_OPS_ENV, our_architectures
 from qwen4_exp_hcu.settings import plugin_settings
 from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
 
@@ -24,7 +26,10 @@ from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
 def register() -> None:
     from vllm import ModelRegistry
 
+    from qwen4_exp_hcu.kernels import torch_ops
+
     watch_engine_process()
+    torch_ops()  # an unknown kernel name in QWEN4_EXP_HCU_TORCH_OPS stops here, before any engine starts
     for architecture, model_class in sorted(our_architectures().items()):
         ModelRegistry.register_model(architecture, model_class)
         check_settings_with_config(architecture)
@@ -50,13 +55,24 @@ def check_settings_with_config(architecture: str) -> None:
 
         @staticmethod
         def verify_and_update_config(vllm_config) -> None:
+            from vllm.platforms import current_platform
+
             base.verify_and_update_config(vllm_config)
             if plugin_settings(vllm_config.additional_config).host_table_gib:
-                from vllm.platforms import current_platform
-
                 from qwen4_exp_hcu.model.ple_placement import file_tier_graphs
 
                 file_tier_graphs(vllm_config.compilation_config, current_platform.is_cuda_alike())
+            check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
             new_engine_start()
 
     MODELS_CONFIG_MAP[architecture] = WithPluginSettings
+
+
+def check_torch_ops(enforce_eager: bool, accelerator: bool) -> None:
+    """Torch references in place of kernels (`QWEN4_EXP_HCU_TORCH_OPS`) only without CUDA graphs: some read
+    values back to the host (boolean indexing), which a graph capture refuses mid-capture."""
+    from qwen4_exp_hcu.kernels import torch_ops
+
+    if accelerator and torch_ops() and not enforce_eager:
+        raise ValueError(f"{TORCH_OPS_ENV}={os.environ[TORCH_OPS_ENV]!r} swaps kernels for torch references, some of "
+                         "which sync with the host: CUDA graphs cannot capture them. Add --enforce-eager.")  # fmt: skip

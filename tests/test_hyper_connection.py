@@ -248,7 +248,8 @@ def test_the_merged_gemm_writes_aligned_rows(tiny_model):
 @pytest.mark.vllm
 def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeypatch):
     """Which batches take `down_silu`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
-    CUDA graph; never on the CPU, under torch.compile or in vLLM's batch-invariant mode."""
+    CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
+    `QWEN4_EXP_HCU_TORCH_OPS` names it."""
     from types import SimpleNamespace
 
     from vllm import envs
@@ -264,4 +265,7 @@ def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeyp
     assert not fused(1)
     monkeypatch.undo()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused(1)
+    monkeypatch.undo()
+    monkeypatch.setenv("QWEN4_EXP_HCU_TORCH_OPS", "down_silu")
     assert not fused(1)

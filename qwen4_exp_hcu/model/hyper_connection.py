@@ -13,7 +13,7 @@ from torch import nn
 from vllm import envs
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 
-from qwen4_exp_hcu.kernels import dispatch
+from qwen4_exp_hcu.kernels import dispatch, torch_ops
 from qwen4_exp_hcu.kernels.hyper_connection import (
     DOWN_SILU_MAX_TOKENS,
     DOWN_SILU_TILES,
@@ -84,9 +84,11 @@ class GatedResidual(nn.Module):
         """Decode sizes on an accelerator, eagerly or in a CUDA graph: the GEMM and the silu in one launch. Not on
         the CPU (vLLM repacks the weight for its own GEMM there), not under torch.compile (Inductor fuses the
         references; no guard on the batch size), not in vLLM's batch-invariant mode (the kernel's sum order
-        changes with the batch)."""
+        changes with the batch), nor where `QWEN4_EXP_HCU_TORCH_OPS` names it."""
         if torch.compiler.is_compiling() or normed.device.type != "cuda" or envs.VLLM_BATCH_INVARIANT:
             return False
+        if "down_silu" in torch_ops():
+            return False  # its torch reference is the GEMM library's path
         return 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS
 
 
