@@ -6,7 +6,8 @@
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time)
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
-#   test                           pytest $TESTS (LIM: seconds, default 500)
+#   test                           pytest $TESTS [-k "$K"] (LIM: seconds, default 500; every case runs, no -x: one failure
+#                                  must not hide the others' figures; result files -> $OUT/results)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 # e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
@@ -32,7 +33,8 @@ PY
   serve) python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
-  test) timeout "${LIM:-500}" python3 -m pytest -q -x -rs -p no:cacheprovider $TESTS 2>&1 | tail -"${TAIL:-40}" ;;
+  test) timeout "${LIM:-500}" python3 -m pytest -q -s -rs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
+          | grep -a "PARITY\|passed\|failed\|Error\|SKIPPED\|^E " | cut -c1-400 | tail -"${TAIL:-40}" ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
