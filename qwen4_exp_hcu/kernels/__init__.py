@@ -42,7 +42,8 @@ def dispatch(
     interpreter (the tests run the launchers under it), and under torch.compile Inductor fuses the reference's
     ops itself; and where `QWEN4_EXP_HCU_TORCH_OPS` names the launcher. `options`: the launcher's alone
     (tuning, a cache)."""
-    if launcher.__name__ in torch_ops() or torch.compiler.is_compiling() or next(a for a in args if isinstance(a, torch.Tensor)).device.type == "cpu":
+    on_cpu = next(a for a in args if isinstance(a, torch.Tensor)).device.type == "cpu"
+    if torch.compiler.is_compiling() or on_cpu or launcher.__name__ in torch_ops():
         result = reference(*args, **kwargs)
         return result if out is None else out.copy_(result)
     if out is not None:
