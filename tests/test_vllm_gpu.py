@@ -132,6 +132,8 @@ def record(results_dir):
         "metric": "|vLLM - transformers fp32 on the dequantized tables| over the top-5 logprobs of every step; "
         "worst scenario (one at a time, concurrent batch, prefix-cache hit)",
         "tolerance": {mode: {"mean": tolerance(mode).mean, "max": tolerance(mode).max} for mode in MODES},
+        "prefix_tolerance": {"mean": PREFIX.mean, "max": PREFIX.max, "note": "at least, for the 400-token prompt"},
+        "repeat_tolerance": {"mean": REPEAT.mean, "max": REPEAT.max, "note": "at least, its cache hit against its miss"},
     }
     path = results_dir / "vllm_gpu_modes.json"
 
