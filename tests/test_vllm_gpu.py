@@ -17,6 +17,7 @@ Runs unchanged on a machine with vLLM 0.33 installed, or through `../shared/gpu-
 (add `--results-dir benchmarks/results` to write the table of modes as `vllm_gpu_modes.json`).
 """
 
+import functools
 import json
 import os
 import platform
@@ -29,7 +30,7 @@ import pytest
 import torch
 
 from helpers.scenarios import (
-    COMPILED, MAX_NEW_TOKENS, PREFIX, PREFIX_PROMPT, PROMPTS, REPEAT, TINY, Tolerance, logprob_errors, repeat_errors,
+    COMPILED, MAX_NEW_TOKENS, PREFIX, PROMPTS, REPEAT, TINY, Tolerance, logprob_errors, prefix_prompt, repeat_errors,
 )  # fmt: skip
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy
 from vllm_gpu_worker import MODES
@@ -104,12 +105,17 @@ def runs(checkpoint, tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, runs, tmp_path_factory):
-    """transformers (fp32) on the dequantized tables, computed while the engines start."""
+    """transformers (fp32) on the dequantized tables, computed while the engines start (the cache-hit prompt's
+    once an engine has said its block size)."""
     dequantized = dequantized_checkpoint(checkpoint, tmp_path_factory.mktemp("gpu") / "dequantized")
-    return {
-        "prompts": reference_greedy(dequantized, PROMPTS, MAX_NEW_TOKENS),
-        "prefix": reference_greedy(dequantized, [PREFIX_PROMPT], 8)[0],
-    }
+    return references(dequantized)
+
+
+def references(oracle) -> dict:
+    """transformers' answers on `oracle`: PROMPTS', and the cache-hit prompt's for an engine's block size
+    (`prefix(block_size)`)."""
+    prefix = functools.cache(lambda block_size: reference_greedy(oracle, [prefix_prompt(block_size)], 8)[0])
+    return {"prompts": reference_greedy(oracle, PROMPTS, MAX_NEW_TOKENS), "prefix": prefix}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +158,7 @@ def compare(result, reference) -> dict:
     cases = {
         "one_at_a_time": zip(result["one_at_a_time"], reference["prompts"]),
         "concurrent": zip(result["concurrent"], reference["prompts"]),
-        "prefix_cache": zip(result["prefix_cache"], [reference["prefix"]] * 2),
+        "prefix_cache": zip(result["prefix_cache"], [reference["prefix"](result["block_size"])] * 2),
     }
     report = {}
     for name, pairs in cases.items():

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from helpers.checkpoints import upstream_table_checkpoints
-from helpers.scenarios import MAX_NEW_TOKENS, PREFIX_PROMPT, PROMPTS, WIDE
-from qwen4_exp_hcu.tiny import make_tiny_checkpoint, reference_greedy
-from test_vllm_gpu import TIMEOUT_S, WORKER, compare, within_tolerance
+from helpers.scenarios import WIDE
+from qwen4_exp_hcu.tiny import make_tiny_checkpoint
+from test_vllm_gpu import TIMEOUT_S, WORKER, compare, references, within_tolerance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -51,11 +51,8 @@ def served(tmp_path_factory):
     for name, (fmt, scale_dtype, _) in VARIANTS.items():
         checkpoint = upstream_table_checkpoints(bf16, root / name, root / f"{name}-oracle", fmt, scale_dtype)
         runs[name], oracles[name] = pool.submit(run, name, checkpoint), root / f"{name}-oracle"
-    references = {
-        name: {"prompts": reference_greedy(o, PROMPTS, MAX_NEW_TOKENS), "prefix": reference_greedy(o, [PREFIX_PROMPT], 8)[0]}
-        for name, o in oracles.items()
-    }  # fmt: skip
-    yield {name: (runs[name], references[name]) for name in VARIANTS}
+    answers = {name: references(o) for name, o in oracles.items()}
+    yield {name: (runs[name], answers[name]) for name in VARIANTS}
     pool.shutdown(wait=True)
 
 

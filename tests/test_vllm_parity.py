@@ -26,10 +26,10 @@ from helpers.scenarios import (
     TINY,
     MAX_NEW_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
-    PREFIX_PROMPT,
     PROMPTS,
     REPEAT,
     logprob_errors,
+    prefix_prompt,
     repeat_errors,
 )
 
@@ -109,37 +109,44 @@ def test_distinct_prompts_give_distinct_continuations(tiny):
     assert len({tuple(r["tokens"]) for r in bf16_reference(tiny)}) == len(PROMPTS)
 
 
-def prefix_runs(llm):
-    """PREFIX_PROMPT twice: a miss, then a hit that starts from the cached block's states."""
-    first, second = (generate(llm, [PREFIX_PROMPT], max_tokens=8, full=True)[0] for _ in range(2))
+def prefix_runs(llm) -> tuple[list[int], object, object]:
+    """The cache-hit prompt for the engine's block size, twice: (the prompt, a miss, then a hit that starts from
+    the cached block's states)."""
+    prompt = prefix_prompt(llm.llm_engine.vllm_config.cache_config.block_size)
+    first, second = (generate(llm, [prompt], max_tokens=8, full=True)[0] for _ in range(2))
     assert second.num_cached_tokens > 0 and (first.num_cached_tokens or 0) < second.num_cached_tokens
-    return first.outputs[0], second.outputs[0]
+    return prompt, first.outputs[0], second.outputs[0]
 
 
-def hit_vs_miss(miss, hit) -> torch.Tensor:
+def prefix_errors(tiny, prompt, miss, hit) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(both runs against transformers, the hit against the miss, transformers' greedy tokens)."""
+    reference = greedy(tiny["bf16"], [prompt], 8, tokens([miss]))[0]
     as_dicts = lambda out: [{t: lp.logprob for t, lp in top.items()} for top in out.logprobs]  # noqa: E731
-    return repeat_errors(as_dicts(hit), as_dicts(miss))
+    against_reference = torch.cat([logprob_errors(as_dicts(out), reference["logprobs"]) for out in (miss, hit)])
+    return against_reference, repeat_errors(as_dicts(hit), as_dicts(miss)), reference["tokens"]
 
 
 def test_prefix_cache_hit_restores_ple_state(tiny, engine):
-    """A prompt longer than one cache block, twice: the second run starts from the cached block's
-    GDN and PLE states (vLLM's align-mode prefix caching copies them with our copy functions). Against
-    transformers, and the hit against the miss (`REPEAT`: equal here)."""
-    first, second = prefix_runs(engine.get(tiny["bf16"]))
-    reference = greedy(tiny["bf16"], [PREFIX_PROMPT], 8, tokens([first]))
-    assert_matches_reference([first, second], reference * 2)
-    assert second.token_ids == first.token_ids and REPEAT.holds(hit_vs_miss(first, second))
+    """A prompt three tokens past one cache block, twice: the second run starts from the cached block's GDN and
+    PLE states (vLLM's align-mode prefix caching copies them with our copy functions). Against transformers, and
+    the hit against the miss (`REPEAT`: equal here)."""
+    prompt, miss, hit = prefix_runs(engine.get(tiny["bf16"]))
+    against_reference, hit_vs_miss, reference_tokens = prefix_errors(tiny, prompt, miss, hit)
+    assert list(miss.token_ids) == list(hit.token_ids) == reference_tokens
+    assert TINY.holds(against_reference) and REPEAT.holds(hit_vs_miss), (against_reference, hit_vs_miss)
 
 
 def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
-    """A cache hit whose PLE windows are copied one entry late (`faults.shift_ple_state_restore`) must fail the
-    hit-against-miss comparison."""
+    """PLE windows copied one entry late at the block boundary (`faults.shift_ple_state_restore`; align mode copies
+    there in the miss too) must fail the comparison with transformers (measured 0.28 / 0.79), and the hit differs
+    from the miss."""
     llm = engine.get(tiny["bf16"])
     with with_fault(shift_ple_state_restore, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
-        first, second = prefix_runs(broken)
-    errors = hit_vs_miss(first, second)
-    print(f"RESTORE-FAULT hit vs miss mean {errors.mean():.4f} max {errors.max():.4f} (tol {REPEAT.mean}, {REPEAT.max})")
-    assert not REPEAT.holds(errors)
+        prompt, miss, hit = prefix_runs(broken)
+    against_reference, hit_vs_miss, _ = prefix_errors(tiny, prompt, miss, hit)
+    print(f"RESTORE-FAULT vs transformers mean {against_reference.mean():.4f} max {against_reference.max():.4f}, "
+          f"hit vs miss max {hit_vs_miss.max():.4f} (tol {TINY.mean}, {TINY.max})")
+    assert not TINY.holds(against_reference) and not REPEAT.holds(hit_vs_miss)
 
 
 def test_ple_tables_stay_where_loaded(tiny, engine):

@@ -81,7 +81,7 @@ def main() -> None:
 
         hot_rows.REFRESH_EVERY = HOT_ROWS_REFRESH_EVERY
 
-    from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, PROMPTS
+    from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PROMPTS, prefix_prompt
     from vllm import LLM, SamplingParams
 
     from qwen4_exp_hcu.model.model import ple_storage_report
@@ -109,6 +109,7 @@ def main() -> None:
             for o in outs
         ]  # fmt: skip
 
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     result = {
         "mode": args.mode,
         "prefetch": not args.no_prefetch,
@@ -121,7 +122,8 @@ def main() -> None:
         "startup_s": round(startup_s, 1),
         "one_at_a_time": [run([p])[0] for p in PROMPTS],
         "concurrent": run(PROMPTS),
-        "prefix_cache": [run([PREFIX_PROMPT], 8)[0] for _ in range(2)],
+        "block_size": block_size,
+        "prefix_cache": [run([prefix_prompt(block_size)], 8)[0] for _ in range(2)],
         "tables": llm.apply_model(ple_storage_report)[0]["now"],
     }
     with open(args.out, "w") as f:
