@@ -92,7 +92,7 @@ def run(llm, requests, prompts: list | None = None) -> list[dict]:
 
 
 def assert_matches(outputs, references) -> tuple[float, float]:
-    errors = torch.cat([logprob_errors([{t: lp.logprob for t, lp in step.items()} for step in out["logprobs"]], ref["logprobs"])
+    errors = torch.cat([logprob_errors(out["logprobs"], ref["logprobs"])
                         for out, ref in zip(outputs, references, strict=True)])  # fmt: skip
     assert [o["tokens"] for o in outputs] == [r["tokens"] for r in references]
     mean, worst = errors.mean().item(), errors.max().item()

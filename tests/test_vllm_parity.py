@@ -76,7 +76,7 @@ def tokens(outputs) -> list[list[int]]:
 def assert_matches_reference(outputs, reference) -> None:
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         assert list(out.token_ids) == ref["tokens"], f"prompt {i}: greedy tokens differ"
-        errors = logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        errors = logprob_errors(out.logprobs, ref["logprobs"])
         assert TINY.holds(errors), (
             f"prompt {i}: logprobs differ from transformers by mean {errors.mean():.4f}, max {errors.max():.4f}"
         )
@@ -121,9 +121,8 @@ def prefix_runs(llm) -> tuple[list[int], object, object]:
 def prefix_errors(tiny, prompt, miss, hit) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(both runs against transformers, the hit against the miss, transformers' greedy tokens)."""
     reference = greedy(tiny["bf16"], [prompt], 8, tokens([miss]))[0]
-    as_dicts = lambda out: [{t: lp.logprob for t, lp in top.items()} for top in out.logprobs]  # noqa: E731
-    against_reference = torch.cat([logprob_errors(as_dicts(out), reference["logprobs"]) for out in (miss, hit)])
-    return against_reference, repeat_errors(as_dicts(hit), as_dicts(miss)), reference["tokens"]
+    against_reference = torch.cat([logprob_errors(out.logprobs, reference["logprobs"]) for out in (miss, hit)])
+    return against_reference, repeat_errors(hit.logprobs, miss.logprobs), reference["tokens"]
 
 
 def test_prefix_cache_hit_restores_ple_state(tiny, engine):
@@ -168,7 +167,7 @@ def errors_under(fault, name: str, tiny, engine) -> torch.Tensor:
     with with_fault(fault, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
         outputs = generate(broken, PROMPTS)
     errors = torch.cat([
-        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        logprob_errors(out.logprobs, ref["logprobs"])
         for out, ref in zip(outputs, bf16_reference(tiny, outputs), strict=True)
     ])  # fmt: skip
     print(f"{name} logprob err mean {errors.mean():.4f} max {errors.max():.4f} (tol {TINY.mean}, {TINY.max})")

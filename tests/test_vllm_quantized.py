@@ -71,7 +71,7 @@ def errors(outputs, oracle) -> tuple[torch.Tensor, bool]:
     runs the `oracle` checkpoint."""
     reference = greedy(oracle, PROMPTS, MAX_NEW_TOKENS, tokens(outputs))
     errs = torch.cat([
-        logprob_errors([{t: lp.logprob for t, lp in top.items()} for top in out.logprobs], ref["logprobs"])
+        logprob_errors(out.logprobs, ref["logprobs"])
         for out, ref in zip(outputs, reference, strict=True)
     ])  # fmt: skip
     return errs, all(list(out.token_ids) == ref["tokens"] for out, ref in zip(outputs, reference))

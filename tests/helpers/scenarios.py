@@ -94,20 +94,23 @@ GPU_ENGINE = {
 }
 
 
+def _pairs(top) -> list[tuple[int, float]]:
+    """One step's top-k as (token, logprob): from a `{token: logprob}` mapping (vLLM's `Logprob` values too) or a
+    list of `(token, logprob)` pairs (the GPU worker's JSON)."""
+    return [(int(tok), getattr(lp, "logprob", lp)) for tok, lp in (top.items() if isinstance(top, dict) else top)]
+
+
 def logprob_errors(top_logprobs, reference_logprobs: torch.Tensor) -> torch.Tensor:
-    """|vLLM - transformers| for every (step, token) of vLLM's top-k: `top_logprobs[step]` is a
-    `{token: logprob}` mapping or a list of `(token, logprob)` pairs."""
-    pairs = lambda top: top.items() if isinstance(top, dict) else top  # noqa: E731
+    """|vLLM - transformers| for every (step, token) of vLLM's top-k (`top_logprobs[step]`: see `_pairs`)."""
     return torch.tensor(
-        [abs(lp - reference_logprobs[step, int(tok)].item()) for step, top in enumerate(top_logprobs) for tok, lp in pairs(top)]
+        [abs(lp - reference_logprobs[step, tok].item()) for step, top in enumerate(top_logprobs) for tok, lp in _pairs(top)]
     )
 
 
 def repeat_errors(top_logprobs, other_top_logprobs) -> torch.Tensor:
     """|a - b| for every (step, token) of `top_logprobs` (vLLM against vLLM: no full distribution to look up);
     a token missing from the other run's top-k counts as inf."""
-    pairs = lambda top: top.items() if isinstance(top, dict) else top  # noqa: E731
     return torch.tensor(
-        [abs(lp - dict(pairs(other)).get(tok, float("inf")))
-         for top, other in zip(top_logprobs, other_top_logprobs, strict=True) for tok, lp in pairs(top)]
+        [abs(lp - dict(_pairs(other)).get(tok, float("inf")))
+         for top, other in zip(top_logprobs, other_top_logprobs, strict=True) for tok, lp in _pairs(top)]
     )  # fmt: skip
