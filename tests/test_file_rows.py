@@ -221,3 +221,31 @@ def test_promotions_work_on_the_rows_read_not_the_table(monkeypatch):
     held = rows.slot_row >= 0
     assert (rows.slot_of[rows.slot_row[held]] == np.flatnonzero(held)).all()
     assert (rows.slot_of >= 0).sum() == held.sum()
+
+
+def test_a_promotion_reads_at_most_promote_rows_newcomers_the_most_read_first(monkeypatch):
+    """A promotion runs inside a lookup. After a long prefill an uncapped one read every counted row from the files
+    at once (106 ms of one decode step on this machine, `bench_file_promotions`); now `promote_rows` newcomers at a
+    time, the most counted first, and later promotions bring the rest."""
+    import numpy as np
+
+    from qwen4_exp_hcu.ple.file_rows import FileRows
+
+    n, slots, row_bytes = 1000, 64, 4
+    buffers = {}
+
+    def resize(rows, keep=0):
+        buffers["weight"] = torch.zeros((rows, row_bytes), dtype=torch.int8)
+        return dict(buffers)
+
+    tier = FileTier(files=None, resident_bytes=slots * row_bytes, refresh_every=1, promote_rows=8, staging_rows=256)
+    rows = FileRows(tier, 0, n, n, row_bytes, resize)
+    read = []
+    monkeypatch.setattr(rows, "_read_into_slots", lambda r, s: read.append(r.size))
+    rows._count(np.concatenate([np.arange(40), np.repeat(np.arange(100, 105), 3)]))  # a prefill: 45 rows counted
+    resident = set(rows.slot_row[rows.slot_row >= 0].tolist())
+    assert read == [8] and set(range(100, 105)) <= resident and len(resident) == 8
+    assert rows.share == pytest.approx((15 + 3) / (40 + 15))  # what the resident rows serve of the counts
+    for _ in range(5):  # the rows read once were forgotten (counts halve); read again, they come 8 at a time
+        rows._count(np.arange(40))
+    assert read == [8, 8, 8, 8, 8, 5] and int((rows.slot_row >= 0).sum()) == 45

@@ -10,7 +10,7 @@ takes the host gather. It makes a host sync per lookup: it cannot be captured in
 where vLLM runs the PLE ops eagerly (breakable CUDA graphs, piecewise graphs, eager), never in full graphs.
 
 Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
-counted rows become resident and counts halve) or calibration ids (`fill`), as the GPU hot-row cache does.
+counted rows become resident, at most `promote_rows` newcomers at a time, and counts halve) or calibration ids (`fill`), as the GPU hot-row cache does.
 A GPU hot-row cache can sit in front (`PLETable.enable_hot_rows`): the rows it serves are neither staged nor
 counted here, so host memory keeps the next most read rows, and it copies its newcomers from the files
 (`MappedRows`).
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
+PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
 
 # safetensors dtype codes -> bytes per element (the rows are moved as bytes)
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -117,6 +118,7 @@ class FileTier:
     files: CheckpointFiles
     resident_bytes: int
     refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
+    promote_rows: int = PROMOTE_ROWS  # a promotion runs inside a lookup: its file reads (a page fault per row) stall that step
     staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
 
 
@@ -216,14 +218,16 @@ class FileRows:
         if self._lookups >= self.tier.refresh_every:
             self._lookups = 0
             counted = np.concatenate(self._counted)
-            self.promote(counted, self.counts[counted])
+            self.promote(counted, self.counts[counted], self.tier.promote_rows)
             self.counts[counted] >>= 1
             self._counted = [counted[self.counts[counted] > 0]]
 
-    def promote(self, rows: np.ndarray, counts: np.ndarray) -> float:
-        """Of `rows` (distinct owned rows) with their `counts`, the `slots` most counted become resident. Rows that
-        are resident stay; a newcomer takes an empty slot or one whose row is not among the most counted, in clock
-        order (`_victims`); with a slot for every row, all stay. Returns the share of the counts the top serves."""
+    def promote(self, rows: np.ndarray, counts: np.ndarray, limit: int | None = None) -> float:
+        """Of `rows` (distinct owned rows) with their `counts`, the `slots` most counted become resident, at most
+        `limit` newcomers at a time (the most counted first; the rest come with later promotions). Rows that are
+        resident stay; a newcomer takes an empty slot or one whose row is not among the most counted, in clock
+        order (`_victims`); with a slot for every row, all stay. Returns the share of the counts the resident rows
+        serve."""
         if self.slots == self.n:
             return 1.0
         self._wait()
@@ -231,7 +235,10 @@ class FileRows:
         best = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
         top = rows[best]
         held = self.slot_of[top]
-        newcomers = np.sort(top[held < 0])
+        newcomers = top[held < 0]
+        if limit is not None and newcomers.size > limit:
+            newcomers = newcomers[np.argpartition(-counts[best][held < 0], limit - 1)[:limit]]
+        newcomers = np.sort(newcomers)
         free = self._victims(held[held >= 0], newcomers.size)
         evicted = self.slot_row[free]
         self.slot_of[evicted[evicted >= 0]] = -1
@@ -239,7 +246,7 @@ class FileRows:
         self.slot_of[newcomers] = free
         self.slot_row[free] = newcomers
         self.refreshes += 1
-        self.share = float(counts[best].sum() / max(int(counts.sum()), 1))
+        self.share = float(counts[self.slot_of[rows] >= 0].sum() / max(int(counts.sum()), 1))
         return self.share
 
     def _victims(self, keep: np.ndarray, m: int) -> np.ndarray:

@@ -1,0 +1,116 @@
+"""The file tier's promotions from traffic, as serving meets them: host time per lookup (ids to the host, misses
+from the files into staging, and every `REFRESH_EVERY` lookups a promotion) with and without a cap on the
+newcomers one promotion reads.
+
+    python -m benchmarks.bench_file_promotions [--table-gb 2] [--share 0.2] [--prefill 4096 16384]
+                                               [--decode 1 32] [--steps 768] [--dir /tmp/file-tier] [--out benchmarks/results]
+
+A promotion runs inside the lookup that triggers it. After long prefills every id they read is counted, and an
+uncapped promotion reads all those rows from the files at once (a page fault per row): that step stalls. The run:
+the prefills (natural text, benchmarks/data/text_tokens.safetensors), then `--steps` decode lookups per batch size,
+for each cap side by side on the same table files (`bench_file_tier`'s, written once). Reported per phase: mean,
+median and largest ms per lookup, the promotions, and the slowest promotion's lookup. Writes JSON + PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
+from benchmarks.bench_lookup import bench_config, token_streams
+from qwen4_exp_hcu.ple.file_rows import PROMOTE_ROWS, CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.storage import PLEStorage
+
+CAPS = {"uncapped": 2**62, f"promote_rows={PROMOTE_ROWS}": PROMOTE_ROWS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--table-gb", type=float, default=2.0)
+    ap.add_argument("--share", type=float, default=0.2, help="share of the table's bytes kept resident")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--decode", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=768, help="decode lookups per batch size (3 promotions)")
+    ap.add_argument("--dir", default="/tmp/file-tier")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    cfg = bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM)
+    spec = NgramHashSpec.from_config(cfg, 0)
+    rows, shard_rows = spec.rows, -(-spec.rows // SHARDS)
+    directory = Path(args.dir) / f"{args.table_gb:g}gb"
+    write_table(directory, rows, shard_rows)
+    tokens = token_streams(sum(args.prefill) + sum(args.decode) * args.steps, torch.Generator().manual_seed(0))["text"]
+    context = torch.full((1, spec.context_len), cfg.eos_token_id)
+    ids = ngram_ids(spec, tokens, torch.tensor([0, tokens.numel()]), context)  # [tokens, heads], one text in order
+    phases, at = [], 0
+    for n in args.prefill:
+        phases.append((f"prefill {n}", [ids[at : at + n]]))
+        at += n
+    for b in args.decode:
+        phases.append((f"decode b={b}", list(ids[at : at + b * args.steps].reshape(args.steps, b, HEADS))))
+        at += b * args.steps
+    bytes_ = rows * (DIM + 2)
+    results = []
+    for cap_name, cap in CAPS.items():
+        tier = FileTier(CheckpointFiles(directory), int(args.share * bytes_), promote_rows=cap, staging_rows=max(args.prefill) * HEADS)
+        table = load(directory, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
+        for phase, steps in phases:
+            ms, promoted = [], []
+            for step in steps:
+                before = table.file_rows.refreshes
+                t0 = time.perf_counter()
+                table.file_rows.stage(step)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                if table.file_rows.refreshes > before:
+                    promoted.append(ms[-1])
+            r = dict(cap=cap_name, phase=phase, lookups=len(ms), mean_ms=float(np.mean(ms)), median_ms=float(np.median(ms)),
+                     max_ms=float(np.max(ms)), promotions=len(promoted), slowest_promotion_ms=max(promoted, default=0.0),
+                     resident_share=table.file_rows.share)  # fmt: skip
+            results.append(r)
+            print(f"{cap_name:20} {phase:15} mean {r['mean_ms']:8.3f} ms  median {r['median_ms']:7.3f}  max {r['max_ms']:8.1f}  "
+                  f"promotions {len(promoted)} (slowest {r['slowest_promotion_ms']:.1f} ms)", flush=True)  # fmt: skip
+        del table
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": f"python -m benchmarks.bench_file_promotions --table-gb {args.table_gb:g} --share {args.share:g} "
+                   f"--prefill {' '.join(map(str, args.prefill))} --decode {' '.join(map(str, args.decode))} --steps {args.steps}",
+        "machine": {"cpu": platform.processor() or "cpu", "cpus": __import__("os").cpu_count(), "torch": torch.__version__},
+        "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": bytes_, "share": args.share},
+        "results": results,
+    }  # fmt: skip
+    (out / "file_promotions.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "file_promotions.png")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = list(dict.fromkeys(r["phase"] for r in report["results"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(CAPS)
+    for i, cap in enumerate(CAPS):
+        worst = [next(r["max_ms"] for r in report["results"] if r["cap"] == cap and r["phase"] == p) for p in phases]
+        ax.bar(np.arange(len(phases)) + i * width, worst, width, label=cap)
+    ax.set_xticks(np.arange(len(phases)) + width * (len(CAPS) - 1) / 2, phases)
+    ax.set_yscale("log")
+    ax.set_ylabel("slowest lookup, host side (ms)")
+    ax.set_title(f"File-tier promotions, {report['table']['bytes'] / 1e9:.1f} GB table, {report['table']['share']:.0%} resident")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
