@@ -2,20 +2,27 @@
 `kernels.hyper_connection`, side by side in one run, each replayed as a CUDA graph (what a FULL_DECODE_ONLY
 decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
-    python benchmarks/bench_hyper_connection.py [--tokens 1 4 8 32 48 256 4096 16384] [--out benchmarks/results/hyper_connection]
+    python benchmarks/bench_hyper_connection.py [--tokens 1 4 8 32 48 256 4096 16384] [--weights 16] [--sweep]
+                                                [--out benchmarks/results/hyper_connection]
 
 Both variants run the same block: the pending injection fused into (kernels) or ahead of (torch) the grouped
 norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gated mix. The GEMMs are
 `F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
-one Triton launch. Reported: µs per hyper-connection, the ratios torch / kernels, unpadded / padded and
-cuBLAS + silu / fused, and every variant's outputs' largest difference from torch's. Writes JSON + PNG into `--out`.
+one Triton launch. Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
+default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
+weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
+`--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, K block, warps) at decode sizes
+against cuBLAS + the silu kernel, the same weights. Reported: µs per hyper-connection, the ratios torch / kernels,
+unpadded / padded and cuBLAS + silu / fused, every variant's outputs' largest difference from torch's, and the
+sweep's µs per config with its best. Writes JSON + PNG into `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -35,6 +42,7 @@ OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KE
 
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
+    """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights)."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant == "kernels_down_silu":
@@ -44,16 +52,48 @@ def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
 
 
+SWEEP_TOKENS = (1, 4, 16, 32)
+SWEEP = [hc.DownSiluConfig(split=s, block_k=k, num_warps=w) for s, k, w in itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8))]
+
+
+def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`n` sets of (norm, merged down + injection, up) weights, each hyper-connection's own."""
+    dev, dt = "cuda", torch.bfloat16
+    return [(torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1,
+             (torch.randn(RANK + HC + PAD, HC * HIDDEN, device=dev, generator=g) / 100).to(dt),
+             (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)) for _ in range(n)]  # fmt: skip
+
+
+def sweep(weights, g: torch.Generator) -> dict:
+    """µs per `down_silu` (the GEMM and the silu alone) per launch config, and cuBLAS + the silu kernel, per token
+    count, each run going through every weight set."""
+    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device="cuda")
+    out = {}
+    for t in SWEEP_TOKENS:
+        x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
+        row = {"cublas_silu": per(lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC)))}
+        for c in SWEEP:
+            row[f"split{c.split}_k{c.block_k}_w{c.num_warps}"] = per(lambda w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
+        best = min((k for k in row if k != "cublas_silu"), key=row.get)
+        row["best"], row["best_vs_cublas_silu"] = best, row["cublas_silu"] / row[best]
+        row["default_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
+        out[t] = row
+        print("sweep", t, best, f"{row[best]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
+              f"(default {row['default_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 48, 256, 4096, 16384])
+    parser.add_argument("--weights", type=int, default=16, help="weight sets per timed run (1: replayed from L2)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep down_silu's launch configs")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hyper_connection"))
     args = parser.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    norm_w = torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1
-    down_w = (torch.randn(RANK + HC + PAD, HC * HIDDEN, device=dev, generator=g) / 100).to(dt)
-    up_w = (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)
+    weights = weight_sets(args.weights, g)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)  # the fused variant's tile counters
     results = {}
     for t in args.tokens:
@@ -61,11 +101,11 @@ def main() -> None:
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
         for name in (n for n in OPS if n != "kernels_down_silu" or t <= hc.DOWN_SILU_MAX_TOKENS):
-            run = lambda: block(name, streams, pending, norm_w, down_w, up_w, counts)  # noqa: E731
-            outputs[name] = run()
-            row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3}
+            run = lambda: [block(name, streams, pending, *w, counts) for w in weights]  # noqa: E731
+            outputs[name] = run()[0]
+            row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3 / len(weights)}
             if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly
-                row[name]["eager_us"] = do_bench(run, rep=200) * 1e3
+                row[name]["eager_us"] = do_bench(run, rep=200) * 1e3 / len(weights)
         leaves = {name: torch.utils._pytree.tree_leaves(out) for name, out in outputs.items()}
         row["max_abs_diff"] = {
             name: max((a.float() - b.float()).abs().max().item() for a, b in zip(leaves["torch"], leaves[name], strict=True))
@@ -76,17 +116,22 @@ def main() -> None:
         if "kernels_down_silu" in row:
             row["ratio_down_silu"] = row["kernels"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
         results[t] = row
-        print(t, json.dumps(row))
+        print(t, json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "what": "one hyper-connection (inject + norm + merged GEMM + silu + up GEMM + gated mix), µs",
         "shape": {"hc": HC, "hidden": HIDDEN, "rank": RANK, "dtype": "bfloat16"},
+        "weights": args.weights,
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__},
-        "command": "python benchmarks/bench_hyper_connection.py --tokens " + " ".join(map(str, args.tokens)),
+        "command": f"python benchmarks/bench_hyper_connection.py --tokens {' '.join(map(str, args.tokens))} "
+                   f"--weights {args.weights}" + (" --sweep" if args.sweep else ""),
         "results": results,
-    }
-    (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
+    }  # fmt: skip
+    (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))  # before the sweep: a cut-off run keeps it
+    if args.sweep:
+        report["down_silu_sweep"] = sweep(weights, g)
+        (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "bench_hyper_connection.png")
 
 
@@ -105,7 +150,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tokens")
     ax.set_ylabel("µs per hyper-connection (CUDA graph)")
-    ax.set_title(f"Hyper-connection glue, hc {HC} x {HIDDEN}, {report['machine']['gpu']}")
+    ax.set_title(f"Hyper-connection glue, hc {HC} x {HIDDEN}, {report['weights']} weight sets, {report['machine']['gpu']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,7 +2,7 @@
 # The GPU runs of tests/README.md and docs/PERFORMANCE.md, step by step, on the device machine (vLLM 0.33 through
 # ../shared/gpu-vllm; the CuTe DSL and FA3 of gpu_cute_dsl.sh when stashed there). Carry [".gpu-vllm"], then:
 #   STEPS...                       what runs, in order, in one call:
-#   hc                             benchmarks/bench_hyper_connection.py            -> $OUT/hyper_connection
+#   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time)
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
@@ -19,7 +19,8 @@ W=/tmp/bench_serve/release-13gb-48layers-budget2048
 for step in "$@"; do
   t0=$(date +%s); echo "=== $step"
   case $step in
-  hc) python3 benchmarks/bench_hyper_connection.py --out "$OUT/hyper_connection" 2>&1 | tail -25 ;;
+  hc) python3 benchmarks/bench_hyper_connection.py --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
+      python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
 from pathlib import Path

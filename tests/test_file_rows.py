@@ -225,7 +225,7 @@ def test_promotions_work_on_the_rows_read_not_the_table(monkeypatch):
 
 def test_a_promotion_reads_at_most_promote_rows_newcomers_the_most_read_first(monkeypatch):
     """A promotion runs inside a lookup. After a long prefill an uncapped one read every counted row from the files
-    at once (106 ms of one decode step on this machine, `bench_file_promotions`); now `promote_rows` newcomers at a
+    at once (167 ms of one decode lookup on this machine, `bench_file_promotions`); now `promote_rows` newcomers at a
     time, the most counted first, and later promotions bring the rest."""
     import numpy as np
 

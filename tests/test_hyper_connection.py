@@ -117,6 +117,22 @@ def test_down_silu_matches_reference(device, dtype, tokens):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize(
+    "config",
+    [hc.DownSiluConfig(split=32, block_k=64), hc.DownSiluConfig(split=3, block_n=32, num_warps=8)],
+    ids=["32_splits_most_idle", "3_splits_wide_columns"],
+)
+def test_down_silu_launch_configs_agree(device, tokens, config):
+    """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
+    zero partials), fewer splits with wider tiles."""
+    x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
+    got = hc.down_silu(x, weight, 30, 4.0, counts, config)
+    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    assert not counts.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_down_silu_reads_rows_at_any_stride(device):
     """ROCm's vLLM pads a weight's rows against cache aliasing; the inputs may be a slice of a wider tensor."""
     x, weight, counts = _down_silu_inputs(3, torch.bfloat16, device)

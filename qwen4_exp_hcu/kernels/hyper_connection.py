@@ -17,6 +17,8 @@ tips a rounding, one bf16 step each.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -218,6 +220,17 @@ DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 64  # counters a `down_silu` caller holds: column blocks x row blocks at the most tokens
 
 
+@dataclass(frozen=True)
+class DownSiluConfig:
+    """`down_silu`'s launch: programs = column blocks (`block_n` columns) x row blocks x `split` K splits, each
+    stepping through its K span `block_k` at a time (None: 128 with `tl.dot`, 256 // block rows without)."""
+
+    split: int = 8  # 168 programs at N = 336, one token
+    block_n: int = 16
+    block_k: int | None = None
+    num_warps: int = 4
+
+
 def down_silu_reference(
     x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,19 +240,21 @@ def down_silu_reference(
 
 
 def down_silu(
-    x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float, counts: torch.Tensor,
+    config: DownSiluConfig = DownSiluConfig(),
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`down_silu_reference` in one launch for 1..DOWN_SILU_MAX_TOKENS rows; `counts`: int32 zeros, at least
-    DOWN_SILU_TILES, each launch leaves them zero (the caller's, not shared across streams)."""
+    DOWN_SILU_TILES, each launch leaves them zero (the caller's, not shared across streams). `config`: the
+    launch (`benchmarks/bench_hyper_connection.py` sweeps it)."""
     (t, k), n = x.shape, weight.shape[0]
     if not 1 <= t <= DOWN_SILU_MAX_TOKENS:
         raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
-    block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), 16
-    block_k = 128 if dot else 256 // block_m
-    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), 8)  # 8 K splits: 168 programs at N = 336
+    block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n
+    block_k = config.block_k or (128 if dot else 256 // block_m)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
     if counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
@@ -247,5 +262,6 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
+        num_warps=config.num_warps,
     )  # fmt: skip
     return down, rest
