@@ -10,9 +10,16 @@
 #                                  must not hide the others' figures; result files -> $OUT/results)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
+#   keep-cache                     Triton's kernel cache (~/.triton/cache) -> $OUT/triton-cache/part.* (xz, 15 MiB parts):
+#                                  a first engine start compiles for 2-3 min. Here: mkdir -p .triton-cache && cp
+#                                  /work/.device/N/triton-cache/part.* .triton-cache/ (git-ignored: echo /.triton-cache/
+#                                  >> .git/info/exclude); carry [".gpu-vllm", ".triton-cache"] and every step restores it first
 # e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
 # Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
 source .gpu-vllm/setup.sh
+if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -d ~/.triton/cache ]; then
+  mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
+fi
 [ -f /tmp/dsl-stash/name ] && source tests/gpu_cute_dsl.sh install
 B="--geometry release --table-gb 13 --layers 48 --indexer-budget 2048"
 W=/tmp/bench_serve/release-13gb-48layers-budget2048
@@ -37,6 +44,8 @@ PY
   test) timeout "${LIM:-500}" python3 -m pytest -q -s -rs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|Error\|SKIPPED\|^E " | cut -c1-400 | tail -"${TAIL:-40}" ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
+  keep-cache) mkdir -p "$OUT/triton-cache" && tar -cJ -C ~/.triton cache | split -b 15m - "$OUT/triton-cache/part."
+              du -sh ~/.triton/cache "$OUT/triton-cache" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "=== $step done in $(( $(date +%s) - t0 )) s"
