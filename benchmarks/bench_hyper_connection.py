@@ -13,7 +13,7 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 one Triton launch. Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
 default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
-`--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, K block, warps) at decode sizes
+`--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode sizes
 against cuBLAS + the silu kernel, the same weights. Reported: µs per hyper-connection, the ratios torch / kernels,
 unpadded / padded and cuBLAS + silu / fused, every variant's outputs' largest difference from torch's, and the
 sweep's µs per config with its best. Writes JSON + PNG into `--out`.
@@ -53,7 +53,16 @@ def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
 
 
 SWEEP_TOKENS = (1, 4, 16, 32)
-SWEEP = [hc.DownSiluConfig(split=s, block_k=k, num_warps=w) for s, k, w in itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8))]
+
+
+def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
+    """One token (multiply-adds): narrow column blocks reading whole rows, down to no K split at all, or wide ones
+    split; more tokens (`tl.dot`, 16 columns or more): K splits and blocks."""
+    if tokens == 1:
+        grid = itertools.product((4, 16), (1, 4, 16, 64), (256, 1024), (4, 8))
+        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid]
+    grid = itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8))
+    return [hc.DownSiluConfig(split=s, block_k=k, num_warps=w) for s, k, w in grid]
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -73,8 +82,8 @@ def sweep(weights, g: torch.Generator) -> dict:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
         row = {"cublas_silu": per(lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC)))}
-        for c in SWEEP:
-            row[f"split{c.split}_k{c.block_k}_w{c.num_warps}"] = per(lambda w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
+        for c in sweep_configs(t):
+            row[f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}"] = per(lambda w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
         best = min((k for k in row if k != "cublas_silu"), key=row.get)
         row["best"], row["best_vs_cublas_silu"] = best, row["cublas_silu"] / row[best]
         row["default_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))

@@ -117,15 +117,15 @@ def test_down_silu_matches_reference(device, dtype, tokens):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tokens", [1, 17])
 @pytest.mark.parametrize(
-    "config",
-    [hc.DownSiluConfig(split=32, block_k=64), hc.DownSiluConfig(split=3, block_n=32, num_warps=8)],
-    ids=["32_splits_most_idle", "3_splits_wide_columns"],
-)
+    "tokens, config",
+    [pytest.param(t, hc.DownSiluConfig(split=32, block_k=64), id=f"{t}-32_splits_most_idle") for t in (1, 17)]
+    + [pytest.param(t, hc.DownSiluConfig(split=3, block_n=32, num_warps=8), id=f"{t}-3_splits_wide_columns") for t in (1, 17)]
+    + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024), id="1-whole_rows")],
+)  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
-    zero partials), fewer splits with wider tiles."""
+    zero partials), fewer splits with wider tiles, and (one token: no `tl.dot`) narrow blocks reading whole rows."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
     got = hc.down_silu(x, weight, 30, 4.0, counts, config)
     _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
@@ -159,6 +159,8 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x, weight, 30, 4.0, counts)
     with pytest.raises(ValueError, match="tile counters"):
         hc.down_silu(x[:1], weight, 30, 4.0, counts[:2])
+    with pytest.raises(ValueError, match="blocks of 16 columns"):
+        hc.down_silu(x[:2], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
 
 
 @cpu_only

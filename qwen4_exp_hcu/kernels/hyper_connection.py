@@ -217,13 +217,14 @@ def gate_mix(
 # above: the GEMM library's kernels. H200, one hyper-connection at the release's shape: 1.12x / 1.08x / 1.10x at
 # 1 / 8 / 32 tokens, 0.99x at 48 (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
-DOWN_SILU_TILES = 64  # counters a `down_silu` caller holds: column blocks x row blocks at the most tokens
+DOWN_SILU_TILES = 256  # counters a `down_silu` caller holds: column blocks x row blocks, for blocks of 4 columns at N = 336
 
 
 @dataclass(frozen=True)
 class DownSiluConfig:
-    """`down_silu`'s launch: programs = column blocks (`block_n` columns) x row blocks x `split` K splits, each
-    stepping through its K span `block_k` at a time (None: 128 with `tl.dot`, 256 // block rows without)."""
+    """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
+    x row blocks x `split` K splits, each stepping through its K span `block_k` at a time (None: 128 with
+    `tl.dot`, 256 // block rows without)."""
 
     split: int = 8  # 168 programs at N = 336, one token
     block_n: int = 16
@@ -253,6 +254,8 @@ def down_silu(
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n
+    if dot and block_n < 16:
+        raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
     block_k = config.block_k or (128 if dot else 256 // block_m)
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
     if counts.numel() < grid[0] * grid[1]:
