@@ -3,14 +3,17 @@ from the files into staging, and every `REFRESH_EVERY` lookups a promotion) with
 newcomers one promotion reads.
 
     python -m benchmarks.bench_file_promotions [--table-gb 2] [--share 0.2] [--prefill 4096 16384]
-                                               [--decode 1 32] [--steps 2048] [--dir /tmp/file-tier] [--out benchmarks/results]
+                                               [--decode 1 32] [--steps 2048] [--hot-rows-share 0.1]
+                                               [--dir /tmp/file-tier] [--out benchmarks/results]
 
 A promotion runs inside the lookup that triggers it. After long prefills every id they read is counted, and an
 uncapped promotion reads all those rows from the files at once (a page fault per row): that step stalls. The run:
 the prefills (natural text, benchmarks/data/text_tokens.safetensors), then `--steps` decode lookups per batch size,
 for each cap side by side on the same table files (`bench_file_tier`'s, written once, read once first so the
 page cache is warm for both). Reported per phase: mean,
-median and largest ms per lookup, the promotions, and the slowest promotion's lookup. Writes JSON + PNG.
+median and largest ms per lookup, the promotions, and the slowest promotion's lookup. Then the same for a GPU
+hot-row cache in front of the files (`--hot-rows-share` of the rows, on the CPU here): one refresh after the
+prefills, capped (`hot_rows.REFRESH_ROWS`) and not, its newcomers read from the files. Writes JSON + PNG.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
 from benchmarks.bench_lookup import bench_config, token_streams
 from qwen4_exp_hcu.ple.file_rows import PROMOTE_ROWS, CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+from qwen4_exp_hcu.ple.hot_rows import REFRESH_ROWS, HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
 CAPS = {"uncapped": 2**62, f"promote_rows={PROMOTE_ROWS}": PROMOTE_ROWS}
@@ -40,6 +44,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--decode", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--steps", type=int, default=2048, help="decode lookups per batch size (8 promotions)")
+    ap.add_argument("--hot-rows-share", type=float, default=0.1, help="GPU hot-row cache in front, share of the rows")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -61,7 +66,7 @@ def main() -> None:
     bytes_ = rows * (DIM + 2)
     for f in directory.glob("*.safetensors"):  # page cache warm for both caps: the first would pay it alone
         f.read_bytes()
-    results = []
+    results, hot_rows = [], []
     for cap_name, cap in CAPS.items():
         tier = FileTier(CheckpointFiles(directory), int(args.share * bytes_), promote_rows=cap, staging_rows=max(args.prefill) * HEADS)
         table = load(directory, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
@@ -80,18 +85,44 @@ def main() -> None:
             results.append(r)
             print(f"{cap_name:20} {phase:15} mean {r['mean_ms']:8.3f} ms  median {r['median_ms']:7.3f}  max {r['max_ms']:8.1f}  "
                   f"promotions {len(promoted)} (slowest {r['slowest_promotion_ms']:.1f} ms)", flush=True)  # fmt: skip
+        hot_rows.append(hot_row_refresh(table, ids[: sum(args.prefill)], args.hot_rows_share, cap_name))
         del table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": f"python -m benchmarks.bench_file_promotions --table-gb {args.table_gb:g} --share {args.share:g} "
+                   f"--hot-rows-share {args.hot_rows_share:g} "
                    f"--prefill {' '.join(map(str, args.prefill))} --decode {' '.join(map(str, args.decode))} --steps {args.steps}",
         "machine": {"cpu": platform.processor() or "cpu", "cpus": __import__("os").cpu_count(), "torch": torch.__version__},
         "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": bytes_, "share": args.share},
         "results": results,
+        "hot_row_refresh": hot_rows,
     }  # fmt: skip
     (out / "file_promotions.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "file_promotions.png")
+
+
+def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, cap_name: str) -> dict:
+    """A hot-row cache (`share` of the rows) in front of the files, counting the prefills' ids, then one refresh:
+    its newcomers come from the files. Timed with the cap (`hot_rows.REFRESH_ROWS`, or none) and with no newcomer
+    at all (the top-k and bookkeeping, which run on the GPU in serving); the difference is the files' part."""
+    rows = table.file_rows
+    hot = HotRows(rows.mapped("weight"), rows.mapped("weight_scale"), table.start, int(share * rows.n), "cpu", observe=True)
+    hot.refresh_every = 2**62  # refreshed by hand below
+    hot.observe(prefill_ids)
+    counts = hot.counts[:-1].clone()
+    t0 = time.perf_counter()
+    hot.refresh(counts, 0)
+    bookkeeping = time.perf_counter() - t0
+    limit = None if cap_name == "uncapped" else REFRESH_ROWS
+    t0 = time.perf_counter()
+    hot.refresh(counts, limit)
+    total = time.perf_counter() - t0
+    r = dict(cap="uncapped" if limit is None else f"refresh_rows={limit}", slots=hot.rows.shape[0], copied=hot.filled,
+             refresh_ms=total * 1e3, bookkeeping_ms=bookkeeping * 1e3, from_files_ms=(total - bookkeeping) * 1e3)  # fmt: skip
+    print(f"hot-row refresh {r['cap']:20} {r['copied']} rows copied: {r['refresh_ms']:.1f} ms "
+          f"({r['from_files_ms']:.1f} ms beyond the bookkeeping)", flush=True)  # fmt: skip
+    return r
 
 
 def plot(report: dict, path: Path) -> None:

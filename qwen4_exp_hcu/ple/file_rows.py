@@ -162,6 +162,8 @@ class FileRows:
 
     def _read(self, rows: np.ndarray, at: int, into: dict[str, torch.Tensor] | None = None) -> None:
         """Copy owned rows from the files into buffer rows `at...` (or into the per-row tensors `into`)."""
+        if not rows.size:  # a refresh with no newcomer; empty tensors have no per-row byte view
+            return
         glob = rows + self.start
         shard = glob // self.shard_rows
         starts = np.flatnonzero(np.diff(shard, prepend=-1))  # one run of rows per checkpoint shard
@@ -291,8 +293,14 @@ class MappedRows:
         self.shape, self.dtype, self.device = (rows.n, *buffer.shape[1:]), buffer.dtype, torch.device("cpu")
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((ids.numel(), *self.shape[1:]), dtype=self.dtype)
-        self._rows._read(ids.reshape(-1).numpy(), 0, {self._part: out})
+        """Rows in `ids`' order, read in file order: the reader copies one run of rows per shard, so ids in
+        count order (a hot-row refresh's) would cost a copy each (10 µs a row where sorted ones take 2)."""
+        ids = ids.reshape(-1).numpy()
+        order = np.argsort(ids, kind="stable")
+        read = torch.empty((ids.size, *self.shape[1:]), dtype=self.dtype)
+        self._rows._read(ids[order], 0, {self._part: read})
+        out = torch.empty_like(read)
+        out[torch.from_numpy(order)] = read
         return out
 
 

@@ -5,8 +5,10 @@ few percent of the rows serves about half the lookups, see docs/PERFORMANCE.md).
 Filled once from a calibration id stream (`fill`), or kept up to date from served traffic (`observe`): every
 lookup adds its owned rows to counts kept on the accelerator (capturable), and every `refresh_every` eager
 lookups the most counted rows replace the cached ones. Refreshes run only outside CUDA-graph capture, on the
-lookup's stream, and only newcomers cross from host memory; counts are then halved, so the cache follows
-the traffic. Every buffer is allocated once, so captured graphs keep valid addresses.
+lookup's stream, and only newcomers cross from host memory, at most `refresh_rows` of them (the most counted
+first: a refresh stalls the lookup that makes it, and after long prefills every row they read is counted);
+a cached row leaves only for a newcomer. Counts are then halved, so the cache follows the traffic. Every
+buffer is allocated once, so captured graphs keep valid addresses.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 REFRESH_EVERY = 256  # eager lookups between refreshes: one topk over the counts + the newcomers' copy
+REFRESH_ROWS = 65536  # newcomers one refresh from traffic copies at most (10.6 MB of release rows)
 
 
 class HotRows:
@@ -30,7 +33,7 @@ class HotRows:
         self.slot_row = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> owned row
         # traffic counts per owned row; the last entry absorbs rows another rank owns
         self.counts = torch.zeros(self.n + 1, dtype=torch.int32, device=device) if observe else None
-        self.refresh_every = REFRESH_EVERY
+        self.refresh_every, self.refresh_rows = REFRESH_EVERY, REFRESH_ROWS
         self._eager_lookups = 0
         self.refreshes, self.share = 0, 0.0  # refreshes so far; share of the counts the last one serves
 
@@ -84,7 +87,7 @@ class HotRows:
         self._eager_lookups += 1
         if self._eager_lookups >= self.refresh_every:
             self._eager_lookups = 0
-            self.refresh(self.counts[:-1])
+            self.refresh(self.counts[:-1], self.refresh_rows)
             self.counts.bitwise_right_shift_(1)
 
     def fill(self, ids: torch.Tensor) -> float:
@@ -94,20 +97,22 @@ class HotRows:
         return self.refresh(torch.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
 
     @torch.no_grad()
-    def refresh(self, counts: torch.Tensor) -> float:
-        """Make the cache hold the most counted rows: cached rows that stay keep their slot, the others
-        are evicted and their slots take the newcomers. Returns the share of counts the cache serves."""
+    def refresh(self, counts: torch.Tensor, limit: int | None = None) -> float:
+        """Bring the most counted rows into the cache, at most `limit` newcomers (the most counted first). A
+        newcomer takes an empty slot, else the slot of the least counted cached row outside the top; cached
+        rows in the top keep their slots. Returns the share of the counts the cache then serves."""
         dev = self.map.device
         counts = counts.to(dev)
-        top = counts.topk(min(self.rows.shape[0], int((counts > 0).sum()))).indices
+        top = counts.topk(min(self.rows.shape[0], int((counts > 0).sum()))).indices  # sorted: most counted first
+        newcomers = top[self.map[top] < 0][:limit]
         hot = torch.zeros(self.n, dtype=torch.bool, device=dev)
         hot[top] = True
         cached = self.slot_row >= 0
-        keep = cached & hot[self.slot_row.clamp_min(0)]
-        self.map[self.slot_row[cached & ~keep]] = -1
-        self.slot_row[~keep] = -1
-        newcomers = top[self.map[top] < 0]
-        free = (~keep).nonzero().flatten()[: newcomers.numel()]
+        stale = (cached & ~hot[self.slot_row.clamp_min(0)]).nonzero().flatten()
+        stale = stale[counts[self.slot_row[stale]].argsort(stable=True)]
+        free = torch.cat(((~cached).nonzero().flatten(), stale))[: newcomers.numel()]
+        evicted = self.slot_row[free]
+        self.map[evicted[evicted >= 0]] = -1
         host = newcomers.to(self.weight.device)
         self.rows[free] = self.weight[host].to(dev)
         if self.scale is not None:
@@ -115,7 +120,8 @@ class HotRows:
         self.map[newcomers] = free.to(torch.int32)
         self.slot_row[free] = newcomers
         self.refreshes += 1
-        self.share = float(counts[top].sum() / counts.sum().clamp_min(1))
+        held = self.slot_row[self.slot_row >= 0]
+        self.share = float(counts[held].sum() / counts.sum().clamp_min(1))
         return self.share
 
 
