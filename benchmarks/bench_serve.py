@@ -515,6 +515,10 @@ def main() -> None:
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    files = [v for v in args.variants if v.startswith("host_int8_files")]
+    if files and "host_int8_piecewise" not in args.variants and not (args.memory_only or args.worker or args.plot_only):
+        parser.error(f"{files[0]} runs in PIECEWISE graphs (the file tier's mode): add host_int8_piecewise, the pinned "
+                     "table in that mode, so the comparison is made in one run (wall clock moves between machine starts)")  # fmt: skip
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:
