@@ -10,6 +10,8 @@
 #                                  must not hide the others' figures; result files -> $OUT/results)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
+#   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (not timed yet: keep
+#                                  it alone in a call; the GPU-resident reference takes 52 GB)  -> $OUT/lookup_release_tp1
 #   keep-cache                     Triton's kernel cache (~/.triton/cache) -> $OUT/triton-cache/part.* (xz, 15 MiB parts):
 #                                  a first engine start compiles for 2-3 min. Here: mkdir -p .triton-cache && cp
 #                                  /work/.device/N/triton-cache/part.* .triton-cache/ (git-ignored: echo /.triton-cache/
@@ -44,6 +46,8 @@ PY
   test) timeout "${LIM:-500}" python3 -m pytest -q -s -rs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|Error\|SKIPPED\|^E " | cut -c1-400 | tail -"${TAIL:-40}" ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
+  lookup-tp1) python3 benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
+                --formats-table-gb 0 --out "$OUT/lookup_release_tp1" 2>&1 | grep -v "^ \|^{\|^}" | tail -40 ;;
   keep-cache) mkdir -p "$OUT/triton-cache" && tar -cJ -C ~/.triton cache | split -b 15m - "$OUT/triton-cache/part."
               du -sh ~/.triton/cache "$OUT/triton-cache" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
