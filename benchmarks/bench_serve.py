@@ -149,23 +149,28 @@ def tensor_bytes(model) -> dict:
 
 
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
+IDLE_GAP_US = 20  # a GPU idle gap this long is a wait (on the host, a sync), not a launch's latency
 
 
-def _active(events) -> tuple[float, dict[str, float]]:
-    """µs with at least one GPU event running (intervals merged across streams), and busy µs per stream."""
-    active, end, streams = 0.0, float("-inf"), {}
-    for start, stop, stream in sorted((e.time_range.start, e.time_range.end, str(e.device_resource_id)) for e in events):
+def _timeline(events) -> tuple[float, dict[str, float], list[tuple[float, str, str]]]:
+    """µs with at least one GPU event running (intervals merged across streams), busy µs per stream, and every
+    idle gap between merged intervals as (µs, the event before it, the event after it)."""
+    active, end, last, streams, gaps = 0.0, float("-inf"), "", {}, []
+    for start, stop, stream, name in sorted((e.time_range.start, e.time_range.end, str(e.device_resource_id), e.name) for e in events):
         streams[stream] = streams.get(stream, 0.0) + stop - start
+        if start > end > float("-inf"):
+            gaps.append((start - end, last, name))
         if stop > end:
-            active, end = active + stop - max(start, end), stop
-    return active, streams
+            active, end, last = active + stop - max(start, end), stop, name
+    return active, streams, gaps
 
 
 def profile_decode(llm, prompts, top: int = 12) -> dict:
     """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (prefill run subtracted),
     the kernels taking the most time, and those launched most often (what a class with more launches per step
     launches more of). GPU-active time (any stream running) splits wall - busy into idle GPU (wall - active) and
-    overlap across streams (busy - active)."""
+    overlap across streams (busy - active); the idle gaps say where the GPU waits (between steps: the host's
+    step preparation; inside one: a sync)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -184,10 +189,11 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
                 entry = kernels.setdefault(e.key, [0.0, 0])
                 entry[0] += e.self_device_time_total
                 entry[1] += e.count
-        return wall, kernels, _active([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+        return wall, kernels, _timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
-    wall1, k1, (active1, streams1) = run(1)
-    wall, k, (active, streams) = run(1 + PROFILE_TOKENS)
+    wall1, k1, (active1, streams1, gaps1) = run(1)
+    wall, k, (active, streams, gaps) = run(1 + PROFILE_TOKENS)
+    long_gaps = lambda g: [x for x in g if x[0] >= IDLE_GAP_US]  # noqa: E731
     # per decode step: (us, events)
     decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
               for name, (t, c) in k.items()}  # fmt: skip
@@ -196,6 +202,10 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
         "gpu_busy_us_per_step": sum(us for us, _ in decode.values()),
         "gpu_active_us_per_step": (active - active1) / PROFILE_TOKENS,
         "busy_us_per_step_by_stream": {s: (us - streams1.get(s, 0.0)) / PROFILE_TOKENS for s, us in streams.items()},
+        # where the GPU waits: idle gaps of IDLE_GAP_US or more per step, and the longest with their neighbours
+        "idle_gaps_per_step": (len(long_gaps(gaps)) - len(long_gaps(gaps1))) / PROFILE_TOKENS,
+        "idle_gap_us_per_step": (sum(x[0] for x in long_gaps(gaps)) - sum(x[0] for x in long_gaps(gaps1))) / PROFILE_TOKENS,
+        "longest_idle_gaps": [[round(us, 1), before[:80], after[:80]] for us, before, after in sorted(gaps, reverse=True)[:top]],
         "kernels_per_step": sum(c for _, c in decode.values()),  # GPU events (kernels, copies): small ones cost their launch
         "top_kernels_us_per_step": {n: us for n, (us, _) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:top]},
         "most_launched_per_step": {n: [c, us] for n, (us, c) in sorted(decode.items(), key=lambda kv: -kv[1][1])[: 3 * top]},
