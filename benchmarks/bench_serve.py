@@ -29,7 +29,7 @@ batch, where a decode step's time goes: wall time per step against the GPU's bus
 kernel time from torch.profiler) and the kernels that take most of it.
 
     python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
-        [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text]
+        [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
@@ -518,6 +518,9 @@ def main() -> None:
     parser.add_argument("--indexer-budget", type=int, help="QSA budget (default 32768: above max_model_len, where "
                         "our class runs exact dense attention; the release's 2048: both classes run QSA)")
     parser.add_argument("--memory-only", action="store_true", help="start each engine, report its bytes, stop")
+    parser.add_argument("--cold", action="store_true", help="drop the checkpoint's pages from the page cache before "
+                        "each engine starts (posix_fadvise): start-up and the file tier's first reads from disk; "
+                        "reported as VARIANT@cold")
     parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
                         help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
                         "several: each in turn in one engine, reported as VARIANT@SOURCE")
@@ -552,6 +555,11 @@ def main() -> None:
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
         cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
         cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
+        if args.cold:
+            from qwen4_exp_hcu.ple.file_rows import drop_page_cache
+
+            for f in Path(checkpoint).glob("*.safetensors"):
+                drop_page_cache(f)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             log = proc.stdout + proc.stderr
@@ -564,7 +572,7 @@ def main() -> None:
             lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
             measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
         for kind, r in measured.items():
-            key = name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}"
+            key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
             results[key] = r
             print(key, json.dumps(r), flush=True)
         write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured
