@@ -34,7 +34,7 @@ from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.hot_rows import REFRESH_ROWS, HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
-CAPS = {"uncapped": 2**62, f"promote_rows={PROMOTE_ROWS}": PROMOTE_ROWS}
+CAPS = {"uncapped": None, f"promote_rows={PROMOTE_ROWS}": PROMOTE_ROWS}
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
             results.append(r)
             print(f"{cap_name:20} {phase:15} mean {r['mean_ms']:8.3f} ms  median {r['median_ms']:7.3f}  max {r['max_ms']:8.1f}  "
                   f"promotions {len(promoted)} (slowest {r['slowest_promotion_ms']:.1f} ms)", flush=True)  # fmt: skip
-        hot_rows.append(hot_row_refresh(table, ids[: sum(args.prefill)], args.hot_rows_share, cap_name))
+        hot_rows.append(hot_row_refresh(table, ids[: sum(args.prefill)], args.hot_rows_share, capped=cap is not None))
         del table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +102,7 @@ def main() -> None:
     plot(report, out / "file_promotions.png")
 
 
-def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, cap_name: str) -> dict:
+def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, capped: bool) -> dict:
     """A hot-row cache (`share` of the rows) in front of the files, counting the prefills' ids, then one refresh:
     its newcomers come from the files. Timed with the cap (`hot_rows.REFRESH_ROWS`, or none) and with no newcomer
     at all (the top-k and bookkeeping, which run on the GPU in serving); the difference is the files' part."""
@@ -114,7 +114,7 @@ def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, cap_name: st
     t0 = time.perf_counter()
     hot.refresh(counts, 0)
     bookkeeping = time.perf_counter() - t0
-    limit = None if cap_name == "uncapped" else REFRESH_ROWS
+    limit = REFRESH_ROWS if capped else None
     t0 = time.perf_counter()
     hot.refresh(counts, limit)
     total = time.perf_counter() - t0

@@ -547,6 +547,8 @@ def main() -> None:
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
+    from qwen4_exp_hcu.ple.file_rows import drop_page_cache  # --cold
+
     results = {}
     for name in args.variants:
         checkpoint = checkpoints[VARIANTS[name][2]]
@@ -556,8 +558,6 @@ def main() -> None:
         cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
         cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
         if args.cold:
-            from qwen4_exp_hcu.ple.file_rows import drop_page_cache
-
             for f in Path(checkpoint).glob("*.safetensors"):
                 drop_page_cache(f)
         try:

@@ -119,7 +119,7 @@ class FileTier:
     files: CheckpointFiles
     resident_bytes: int
     refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
-    promote_rows: int = PROMOTE_ROWS  # a promotion runs inside a lookup: its file reads (a page fault per row) stall that step
+    promote_rows: int | None = PROMOTE_ROWS  # a promotion runs inside a lookup: its file reads (a page fault per row) stall it; None: no cap
     staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
 
 
