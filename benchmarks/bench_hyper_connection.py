@@ -62,7 +62,7 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
         grid = itertools.product((4, 16), (1, 4, 16, 64), (256, 1024), (4, 8))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid]
     grid = itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8))
-    return [hc.DownSiluConfig(split=s, block_k=k, num_warps=w) for s, k, w in grid]
+    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=w) for s, k, w in grid]
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

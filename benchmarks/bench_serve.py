@@ -152,17 +152,26 @@ PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' e
 IDLE_GAP_US = 20  # a GPU idle gap this long is a wait (on the host, a sync), not a launch's latency
 
 
-def _timeline(events) -> tuple[float, dict[str, float], list[tuple[float, str, str]]]:
-    """µs with at least one GPU event running (intervals merged across streams), busy µs per stream, and every
-    idle gap between merged intervals as (µs, the event before it, the event after it)."""
-    active, end, last, streams, gaps = 0.0, float("-inf"), "", {}, []
+def _timeline(events) -> tuple[float, dict[str, float], list[tuple[float, float, str, str]], float]:
+    """µs with at least one GPU event running (intervals merged across streams), busy µs per stream, every idle
+    gap between merged intervals as (µs from the first event to the gap's start, µs, the event before it, the
+    event after it), and the span from the first event's start to the last one's end."""
+    active, end, last, streams, gaps, first = 0.0, float("-inf"), "", {}, [], None
     for start, stop, stream, name in sorted((e.time_range.start, e.time_range.end, str(e.device_resource_id), e.name) for e in events):
+        first = start if first is None else first
         streams[stream] = streams.get(stream, 0.0) + stop - start
         if start > end > float("-inf"):
-            gaps.append((start - end, last, name))
+            gaps.append((end - first, start - end, last, name))
         if stop > end:
             active, end, last = active + stop - max(start, end), stop, name
-    return active, streams, gaps
+    return active, streams, gaps, 0.0 if first is None else end - first
+
+
+def decode_gaps(gaps: list[tuple[float, float, str, str]], prefill_span: float) -> list[tuple[float, str, str]]:
+    """The idle gaps of IDLE_GAP_US or more that start after the prefill-only run's span: those of the decode
+    steps (the two runs' first steps are the same work; subtracting the prefill run's gap count instead went
+    negative, its gaps not matching the longer run's one for one)."""
+    return [(us, before, after) for at, us, before, after in gaps if at >= prefill_span and us >= IDLE_GAP_US]
 
 
 def profile_decode(llm, prompts, top: int = 12) -> dict:
@@ -191,9 +200,9 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
                 entry[1] += e.count
         return wall, kernels, _timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
-    wall1, k1, (active1, streams1, gaps1) = run(1)
-    wall, k, (active, streams, gaps) = run(1 + PROFILE_TOKENS)
-    long_gaps = lambda g: [x for x in g if x[0] >= IDLE_GAP_US]  # noqa: E731
+    wall1, k1, (active1, streams1, _, span1) = run(1)
+    wall, k, (active, streams, gaps, _) = run(1 + PROFILE_TOKENS)
+    waits = decode_gaps(gaps, span1)
     # per decode step: (us, events)
     decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
               for name, (t, c) in k.items()}  # fmt: skip
@@ -203,9 +212,9 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
         "gpu_active_us_per_step": (active - active1) / PROFILE_TOKENS,
         "busy_us_per_step_by_stream": {s: (us - streams1.get(s, 0.0)) / PROFILE_TOKENS for s, us in streams.items()},
         # where the GPU waits: idle gaps of IDLE_GAP_US or more per step, and the longest with their neighbours
-        "idle_gaps_per_step": (len(long_gaps(gaps)) - len(long_gaps(gaps1))) / PROFILE_TOKENS,
-        "idle_gap_us_per_step": (sum(x[0] for x in long_gaps(gaps)) - sum(x[0] for x in long_gaps(gaps1))) / PROFILE_TOKENS,
-        "longest_idle_gaps": [[round(us, 1), before[:80], after[:80]] for us, before, after in sorted(gaps, reverse=True)[:top]],
+        "idle_gaps_per_step": len(waits) / PROFILE_TOKENS,
+        "idle_gap_us_per_step": sum(us for us, _, _ in waits) / PROFILE_TOKENS,
+        "longest_idle_gaps": [[round(us, 1), before[:80], after[:80]] for us, before, after in sorted(waits, reverse=True)[:top]],
         "kernels_per_step": sum(c for _, c in decode.values()),  # GPU events (kernels, copies): small ones cost their launch
         "top_kernels_us_per_step": {n: us for n, (us, _) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:top]},
         "most_launched_per_step": {n: [c, us] for n, (us, c) in sorted(decode.items(), key=lambda kv: -kv[1][1])[: 3 * top]},

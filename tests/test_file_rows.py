@@ -131,6 +131,7 @@ def test_file_rows_do_not_hold_the_table(checkpoints):
 
 
 
+@pytest.mark.cpu_only  # the kernel over CPU tensors runs under the interpreter, where no GPU is
 @pytest.mark.parametrize("observe", [False, True], ids=["cache_from_calibration", "cache_from_traffic"])
 def test_a_hot_row_cache_in_front_of_the_files_changes_nothing(checkpoints, monkeypatch, observe):
     """The GPU hot-row cache before a 5 % file tier, the cache kept on the CPU and the lookup kernel run under

@@ -15,6 +15,7 @@ from qwen4_exp_hcu.ple.int8 import quantize_rows
 from qwen4_exp_hcu.ple.table import gather_dequant_reference
 
 D = 16
+cpu_only = pytest.mark.cpu_only  # the kernel over CPU tensors runs under the interpreter, where no GPU is
 
 
 def table(n: int, fmt: str, g: torch.Generator):
@@ -42,6 +43,7 @@ def check_consistent(hot: HotRows, w, s):
         assert torch.equal(hot.row_scales[filled], s[hot.slot_row[filled]])
 
 
+@cpu_only
 @settings(max_examples=25, deadline=None)
 @given(
     fmt=st.sampled_from(["bf16", "int8"]),
@@ -102,6 +104,7 @@ def test_a_refresh_copies_at_most_refresh_rows_and_evicts_only_for_newcomers():
     check_consistent(hot, w, s)
 
 
+@cpu_only
 def test_a_wrong_cached_row_is_caught():
     """The exactness check above reads cached rows: one corrupted slot changes the lookup."""
     g = torch.Generator().manual_seed(0)

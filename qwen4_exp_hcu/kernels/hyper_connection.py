@@ -214,8 +214,9 @@ def gate_mix(
     return mixed, weights
 
 
-# above: the GEMM library's kernels. H200, one hyper-connection at the release's shape: 1.12x / 1.08x / 1.10x at
-# 1 / 8 / 32 tokens, 0.99x at 48 (benchmarks/results/hyper_connection)
+# above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
+# own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.55x / 1.33x / 1.33x / 1.21x at 1 / 4 / 16 / 32
+# tokens (benchmarks/results/hyper_connection); in serving, 585 against 802 us per 48-layer step at one token
 DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 256  # counters a `down_silu` caller holds: column blocks x row blocks, for blocks of 4 columns at N = 336
 
@@ -223,11 +224,12 @@ DOWN_SILU_TILES = 256  # counters a `down_silu` caller holds: column blocks x ro
 @dataclass(frozen=True)
 class DownSiluConfig:
     """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
-    x row blocks x `split` K splits, each stepping through its K span `block_k` at a time (None: 128 with
-    `tl.dot`, 256 // block rows without)."""
+    x row blocks x `split` K splits, each stepping through its K span `block_k` at a time (None: 256 with
+    `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights beyond L2 (1 token:
+    1.55x cuBLAS + silu; 4 / 16 / 32 tokens: 1.33x / 1.33x / 1.21x; benchmarks/results/hyper_connection)."""
 
-    split: int = 8  # 168 programs at N = 336, one token
-    block_n: int = 16
+    split: int = 16
+    block_n: int | None = None  # None: 4 at one row (whole rows of K, no dot), 16 with `tl.dot`
     block_k: int | None = None
     num_warps: int = 4
 
@@ -253,10 +255,10 @@ def down_silu(
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
-    block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n
+    block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n or (16 if dot else 4)
     if dot and block_n < 16:
         raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
-    block_k = config.block_k or (128 if dot else 256 // block_m)
+    block_k = config.block_k or (256 if dot else 1024)
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
     if counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
