@@ -56,13 +56,15 @@ SWEEP_TOKENS = (1, 4, 16, 32)
 
 
 def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
-    """One token (multiply-adds): narrow column blocks reading whole rows, down to no K split at all, or wide ones
-    split; more tokens (`tl.dot`, 16 columns or more): K splits and blocks."""
+    """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256). One
+    token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512 (16 left
+    6 splits idle); 1 split reads whole rows. More tokens (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8
+    lost everywhere)."""
     if tokens == 1:
-        grid = itertools.product((4, 16), (1, 4, 16, 64), (256, 1024), (4, 8))
+        grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid]
-    grid = itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8))
-    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=w) for s, k, w in grid]
+    grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
+    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
