@@ -14,7 +14,7 @@ one Triton launch. Each timed run goes through `--weights` hyper-connections wit
 default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode sizes
-against cuBLAS + the silu kernel, the same weights. Reported: µs per hyper-connection, the ratios torch / kernels,
+against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Reported: µs per hyper-connection, the ratios torch / kernels,
 unpadded / padded and cuBLAS + silu / fused, every variant's outputs' largest difference from torch's, and the
 sweep's µs per config with its best. Writes JSON + PNG into `--out`.
 """
@@ -95,6 +95,24 @@ def sweep(weights, g: torch.Generator) -> dict:
     return out
 
 
+GATE_MIX_BLOCKS = (128, 256, 512, 1024)
+
+
+def gate_mix_sweep(g: torch.Generator, launches: int = 16) -> dict:
+    """µs per `gate_mix` launch per column block (one program per block and row: 1 024 gives a token 3 programs;
+    in session 12's b = 1 step it took 2.5 µs a launch where vLLM's class's gate-mix kernel took 1.3)."""
+    out = {}
+    for t in SWEEP_TOKENS:
+        up, normed = (torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        logits = torch.randn(t, HC, device="cuda", generator=g).to(torch.bfloat16)
+        row = {str(b): do_bench_cudagraph(lambda b=b: [hc.gate_mix(up, normed, HC, logits, b) for _ in range(launches)], rep=50) * 1e3 / launches
+               for b in GATE_MIX_BLOCKS}  # fmt: skip
+        row["best"] = min(row, key=row.get)
+        out[t] = row
+        print("gate_mix sweep", t, {k: v if k == "best" else round(v, 2) for k, v in row.items()}, flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 48, 256, 4096, 16384])
@@ -142,6 +160,7 @@ def main() -> None:
     (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))  # before the sweep: a cut-off run keeps it
     if args.sweep:
         report["down_silu_sweep"] = sweep(weights, g)
+        report["gate_mix_sweep"] = gate_mix_sweep(g)
         (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "bench_hyper_connection.png")
 
