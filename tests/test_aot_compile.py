@@ -170,7 +170,7 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
         "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank : rank + hc]),
         "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
     }
-    counts, down_w = torch.zeros(64, dtype=torch.int32), torch.zeros(merged.shape[1], hc * h, dtype=torch.bfloat16)
+    counts, down_w = torch.zeros(hyper_connection.DOWN_SILU_TILES, dtype=torch.int32), torch.zeros(merged.shape[1], hc * h, dtype=torch.bfloat16)
     for tokens in (1, 32):  # multiply-adds, and dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
