@@ -272,8 +272,9 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
             prefill_only = timed(prompts, 1)
             full = timed(prompts, 1 + DECODE_TOKENS)
             decode[b] = b * DECODE_TOKENS / (full - prefill_only)
-            if args.profile:
+            if args.profile:  # and the same steps unprofiled: what the profiler's steps miss of the 64-token runs
                 profiles[b] = profile_decode(llm, prompts)
+                profiles[b]["wall_us_per_step_unprofiled"] = (timed(prompts, 1 + PROFILE_TOKENS) - prefill_only) * 1e6 / PROFILE_TOKENS
         prefill = {}
         for n in PREFILL_LENGTHS:
             timed([prompt(n)], 1, repeats=1)  # warm-up
