@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from qwen4_exp_hcu.kernels import hyper_connection as hc
@@ -58,11 +59,13 @@ SWEEP_TOKENS = (1, 4, 16, 32)
 def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256). One
     token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512 (16 left
-    6 splits idle); 1 split reads whole rows. More tokens (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8
+    6 splits idle); 1 split reads whole rows, and with 1-2 columns per program (vLLM's CuTe kernel: a program per
+    column) in K blocks of 2 048 or all of K at once. More tokens (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8
     lost everywhere)."""
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
-        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid]
+        whole = itertools.product((1, 2), (1,), (2048, triton.next_power_of_2(HC * HIDDEN)), (4, 8))
+        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in (*grid, *whole)]
     grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
     return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
 

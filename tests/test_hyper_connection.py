@@ -122,7 +122,9 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     [pytest.param(t, hc.DownSiluConfig(split=32, block_k=64), id=f"{t}-32_splits_most_idle") for t in (1, 17)]
     + [pytest.param(t, hc.DownSiluConfig(split=3, block_n=32, num_warps=8), id=f"{t}-3_splits_wide_columns") for t in (1, 17)]
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024), id="1-whole_rows")]
-    + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2), id="1-two_columns_two_warps")],
+    + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2), id="1-two_columns_two_warps")]
+    + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024), id="1-a_column_per_program")]
+    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add

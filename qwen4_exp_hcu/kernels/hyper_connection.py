@@ -87,6 +87,17 @@ def _gate_mix_kernel(
             tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
 
 
+@triton.jit
+def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale):
+    """Rounds the fp32 sums as the GEMM's bf16 output; columns < rank through the scaled silu into `down`, the
+    others into `rest`."""
+    y = total.to(down_ptr.dtype.element_ty)
+    h = (y.to(tl.float32) / scale).to(y.dtype).to(tl.float32)
+    is_down = (cols < rank)[None, :]
+    tl.store(down_ptr + rows[:, None] * rank + cols[None, :], (h * tl.sigmoid(h)).to(y.dtype), mask=mask & is_down)
+    tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=mask & ~is_down)
+
+
 @triton.jit(do_not_specialize=["T"])  # one kernel per block shape, not a second one for a single token
 def _down_silu_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
@@ -96,7 +107,8 @@ def _down_silu_kernel(
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
-    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter."""
+    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
+    CuTe kernel's scheme: a program per column reading its whole weight row)."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,21 +126,20 @@ def _down_silu_kernel(
             acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 models: no tf32
         else:  # one row: multiply-adds (a dot needs 16 rows)
             acc += tl.sum(x[:, :, None].to(tl.float32) * w[None, :, :].to(tl.float32), axis=1)
-    tile = pid_m * tl.num_programs(0) + pid_n
-    at = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(part_ptr + split * T * N + at, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the counter's release (one thread performs it)
-    if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in tl.static_range(SPLIT):
-            total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-        y = total.to(down_ptr.dtype.element_ty)
-        h = (y.to(tl.float32) / scale).to(y.dtype).to(tl.float32)
-        is_down = (cols < rank)[None, :]
-        tl.store(down_ptr + rows[:, None] * rank + cols[None, :], (h * tl.sigmoid(h)).to(y.dtype), mask=mask & is_down)
-        tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=mask & ~is_down)
-        tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+    if SPLIT == 1:  # the whole K in this program: no partials, no counter
+        _down_silu_store(acc, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        at = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + split * T * N + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the counter's release (one thread performs it)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
 
 
 def group_warps(block: int) -> int:
@@ -260,10 +271,10 @@ def down_silu(
         raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
     block_k = config.block_k or (256 if dot else 1024)
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
-    if counts.numel() < grid[0] * grid[1]:
+    if grid[2] > 1 and counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
-    part = torch.empty(grid[2], t, n, dtype=torch.float32, device=x.device)
+    part = torch.empty(grid[2], t, n, dtype=torch.float32, device=x.device) if grid[2] > 1 else down  # unused at 1
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
