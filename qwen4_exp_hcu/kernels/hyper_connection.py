@@ -229,15 +229,16 @@ def gate_mix(
 # own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.55x / 1.33x / 1.33x / 1.21x at 1 / 4 / 16 / 32
 # tokens (benchmarks/results/hyper_connection); in serving, 585 against 802 us per 48-layer step at one token
 DOWN_SILU_MAX_TOKENS = 32
-DOWN_SILU_TILES = 256  # counters a `down_silu` caller holds: column blocks x row blocks of a K-split launch (2 columns at N = 336: 168)
+DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
 
 @dataclass(frozen=True)
 class DownSiluConfig:
     """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
-    x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time (None: 256 with
-    `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights beyond L2 (1 token:
-    1.55x cuBLAS + silu; 4 / 16 / 32 tokens: 1.33x / 1.33x / 1.21x; benchmarks/results/hyper_connection)."""
+    x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
+    (None: 256 with `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights
+    beyond L2 (1 token: 1.55x cuBLAS + silu; 4 / 16 / 32 tokens: 1.33x / 1.33x / 1.21x;
+    benchmarks/results/hyper_connection)."""
 
     split: int = 16
     block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
