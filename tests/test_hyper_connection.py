@@ -124,7 +124,8 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024), id="1-whole_rows")]
     + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2), id="1-two_columns_two_warps")]
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024), id="1-a_column_per_program")]
-    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")],
+    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
+    + [pytest.param(t, hc.DownSiluConfig(split=1, block_n=n, block_k=256, unroll=True), id=f"{t}-unrolled") for t, n in ((1, 1), (5, 16))],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
@@ -164,6 +165,8 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:1], weight, 30, 4.0, counts[:2])
     with pytest.raises(ValueError, match="blocks of 16 columns"):
         hc.down_silu(x[:2], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
+    with pytest.raises(ValueError, match="unrolled K loop is one split's"):
+        hc.down_silu(x[:1], weight, 30, 4.0, counts, hc.DownSiluConfig(unroll=True))
 
 
 @cpu_only

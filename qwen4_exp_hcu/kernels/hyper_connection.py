@@ -98,17 +98,34 @@ def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale
     tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=mask & ~is_down)
 
 
+@triton.jit
+def _down_silu_block(
+    acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k, K, x_stride, w_stride, DOT: tl.constexpr, UPCAST: tl.constexpr
+):
+    """`acc` plus the products over the K block `k`."""
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+    w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+    if UPCAST:  # Triton's interpreter multiplies bf16 dots wrongly; fp32 holds bf16 values exactly
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    if DOT:
+        acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 models: no tf32
+    else:  # one row: multiply-adds (a dot needs 16 rows)
+        acc += tl.sum(x[:, :, None].to(tl.float32) * w[None, :, :].to(tl.float32), axis=1)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])  # one kernel per block shape, not a second one for a single token
 def _down_silu_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, UNROLLED_K: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
     `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
-    CuTe kernel's scheme: a program per column reading its whole weight row)."""
+    CuTe kernel's scheme: a program per column reading its whole weight row). UNROLLED_K (one split): K as a
+    constant, its loop unrolled so that every K block's loads can be in flight at once."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,16 +133,12 @@ def _down_silu_kernel(
     row_ok, col_ok = rows < T, cols < N
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * span, tl.minimum(split * span + span, K), BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:  # Triton's interpreter multiplies bf16 dots wrongly; fp32 holds bf16 values exactly
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        if DOT:
-            acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 models: no tf32
-        else:  # one row: multiply-adds (a dot needs 16 rows)
-            acc += tl.sum(x[:, :, None].to(tl.float32) * w[None, :, :].to(tl.float32), axis=1)
+    if UNROLLED_K:
+        for k0 in tl.static_range(0, UNROLLED_K, BLOCK_K):
+            acc = _down_silu_block(acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0 + ks, K, x_stride, w_stride, DOT, UPCAST)
+    else:
+        for k0 in range(split * span, tl.minimum(split * span + span, K), BLOCK_K):
+            acc = _down_silu_block(acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0 + ks, K, x_stride, w_stride, DOT, UPCAST)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT == 1:  # the whole K in this program: no partials, no counter
         _down_silu_store(acc, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
@@ -244,6 +257,7 @@ class DownSiluConfig:
     block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
     num_warps: int = 4
+    unroll: bool = False  # one split only: K becomes a compile-time constant (a kernel per K), its loop unrolled
 
 
 def down_silu_reference(
@@ -271,6 +285,8 @@ def down_silu(
     if dot and block_n < 16:
         raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
     block_k = config.block_k or (256 if dot else 1024)
+    if config.unroll and config.split != 1:
+        raise ValueError(f"down_silu: an unrolled K loop is one split's, got split={config.split}")
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
     if grid[2] > 1 and counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
@@ -279,6 +295,6 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        num_warps=config.num_warps,
+        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps,
     )  # fmt: skip
     return down, rest
