@@ -60,8 +60,8 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle); 1 split reads whole rows, also with 1-2 columns per program (vLLM's CuTe kernel: a
-    program per column) in K blocks of 2 048 or all of K at once, or K's loop unrolled (1-4 columns). More tokens (`tl.dot`: 16 columns): K splits and
-    blocks, 4 warps (8 lost everywhere)."""
+    program per column) in K blocks of 2 048 or all of K at once, or K's loop unrolled (1-4 columns). More tokens
+    (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8 lost everywhere)."""
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         whole = itertools.product((1, 2), (1,), (2048, triton.next_power_of_2(HC * HIDDEN)), (4, 8))
