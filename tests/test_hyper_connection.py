@@ -6,6 +6,8 @@ references do, so their bf16 results differ by a rounding step at a time."""
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
@@ -133,6 +135,29 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
     got = hc.down_silu(x, weight, 30, 4.0, counts, config)
     _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    assert not counts.any()
+
+
+@cpu_only
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.sampled_from([1, 2, 5, 17]),
+    n=st.integers(31, 70),  # rank 30: at least one column past it
+    k=st.integers(1, 300),
+    split=st.sampled_from([1, 2, 3, 7]),
+    block_n=st.sampled_from([1, 2, 4, 16, 32]),
+    block_k=st.sampled_from([16, 64, 256]),
+    unroll=st.booleans(),
+)
+def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, unroll):
+    """Every launch the sweep could pick, on shapes no block divides: K spans ending mid-block, splits with nothing
+    to add, a program per column, unrolled K loops; the counters end at zero."""
+    assume((tokens == 1 or block_n >= 16) and (split == 1 or not unroll))
+    x = _randn(tokens, k, dtype=torch.float32, seed=k)
+    weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
+    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32)
+    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, unroll=unroll)
+    _assert_all_close(hc.down_silu(x, weight, 30, 4.0, counts, config), hc.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
 
