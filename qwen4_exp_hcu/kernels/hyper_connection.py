@@ -220,7 +220,7 @@ def gate_mix_reference(
 
 
 def gate_mix(
-    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None, block: int = 1024
+    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None, block: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     up, normed = up.contiguous(), normed.contiguous()
     rows, h = up.numel() // up.shape[-1], up.shape[-1] // hc
@@ -239,8 +239,8 @@ def gate_mix(
 
 
 # above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
-# own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.55x / 1.33x / 1.33x / 1.21x at 1 / 4 / 16 / 32
-# tokens (benchmarks/results/hyper_connection); in serving, 585 against 802 us per 48-layer step at one token
+# own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.67x / 1.38x / 1.38x / 1.27x at 1 / 4 / 16 / 32
+# tokens (benchmarks/results/hyper_connection); in serving, 585 against 802 us per 48-layer step at one token (16 splits, 4 warps)
 DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
@@ -250,13 +250,13 @@ class DownSiluConfig:
     """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
     (None: 256 with `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights
-    beyond L2 (1 token: 1.55x cuBLAS + silu; 4 / 16 / 32 tokens: 1.33x / 1.33x / 1.21x;
+    beyond L2 (1 token: 1.67x cuBLAS + silu; 4 / 16 / 32 tokens: 1.38x / 1.38x / 1.27x;
     benchmarks/results/hyper_connection)."""
 
-    split: int = 16
+    split: int = 10
     block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
-    num_warps: int = 4
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
     unroll: bool = False  # one split only: K becomes a compile-time constant (a kernel per K), its loop unrolled
 
 
@@ -295,6 +295,6 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps,
+        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2),
     )  # fmt: skip
     return down, rest
