@@ -20,8 +20,8 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      (`ple.file_rows`; no full graphs: an unset cudagraph_mode becomes PIECEWISE)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
                      one graph, which the file tier's figures include and this variant separates out
-Reported: decode tokens/s at batch 1/32/256 (64 new tokens after a 64-token prompt, minus the prefill-only
-run), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and
+Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt: the time of 64 new tokens minus that of 16,
+so a request's fixed cost cancels; that cost, beyond prefill and its steps, is reported as `decode_fixed_ms`), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and
 what the CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
 the GPU holds no copy of a host table).
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
@@ -115,7 +115,7 @@ def release_model(table_gb: float) -> dict:
     )}  # fmt: skip
 
 
-DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
+DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, (16, 64)  # decode: the slope between the two lengths
 PREFILL_LENGTHS = (4096, 16384)
 MAX_MODEL_LEN = 20480
 REPEATS = 3
@@ -148,6 +148,15 @@ def tensor_bytes(model) -> dict:
             "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
 
 
+def decode_fit(prefill_only: float, short: float, long: float) -> tuple[float, float]:
+    """(seconds per decode step, a request's fixed seconds beyond its prefill and steps) from the wall times of
+    a prefill-only request and of DECODE_TOKENS' two lengths. The fixed part (measured on the H200: ~170 ms at one
+    sequence, varying run to run) had made 64 tokens minus the prefill swing a class's tokens/s by up to 10 %."""
+    (n_short, n_long) = DECODE_TOKENS
+    step = (long - short) / (n_long - n_short)
+    return step, (short - prefill_only - n_short * step) * 1e3
+
+
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
 IDLE_GAP_US = 20  # a GPU idle gap this long is a wait (on the host, a sync), not a launch's latency
 
@@ -167,15 +176,16 @@ def _timeline(events) -> tuple[float, dict[str, float], list[tuple[float, float,
     return active, streams, gaps, 0.0 if first is None else end - first
 
 
-def decode_gaps(gaps: list[tuple[float, float, str, str]], prefill_span: float) -> list[tuple[float, str, str]]:
-    """The idle gaps of IDLE_GAP_US or more that start after the prefill-only run's span: those of the decode
-    steps (the two runs' first steps are the same work; subtracting the prefill run's gap count instead went
+def decode_gaps(gaps: list[tuple[float, float, str, str]], short_span: float) -> list[tuple[float, str, str]]:
+    """The idle gaps of IDLE_GAP_US or more that start after the shorter run's span: those of the steps the longer
+    run adds (the two runs' first steps are the same work; subtracting the shorter run's gap count instead went
     negative, its gaps not matching the longer run's one for one)."""
-    return [(us, before, after) for at, us, before, after in gaps if at >= prefill_span and us >= IDLE_GAP_US]
+    return [(us, before, after) for at, us, before, after in gaps if at >= short_span and us >= IDLE_GAP_US]
 
 
 def profile_decode(llm, prompts, top: int = 12) -> dict:
-    """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (prefill run subtracted),
+    """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (the difference between
+    requests of PROFILE_TOKENS and twice as many new tokens, so a request's fixed cost cancels, as in `decode_fit`),
     the kernels taking the most time, and those launched most often (what a class with more launches per step
     launches more of). GPU-active time (any stream running) splits wall - busy into idle GPU (wall - active) and
     overlap across streams (busy - active); the idle gaps say where the GPU waits (between steps: the host's
@@ -200,8 +210,8 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
                 entry[1] += e.count
         return wall, kernels, _timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
-    wall1, k1, (active1, streams1, _, span1) = run(1)
-    wall, k, (active, streams, gaps, _) = run(1 + PROFILE_TOKENS)
+    wall1, k1, (active1, streams1, _, span1) = run(1 + PROFILE_TOKENS)
+    wall, k, (active, streams, gaps, _) = run(1 + 2 * PROFILE_TOKENS)
     waits = decode_gaps(gaps, span1)
     # per decode step: (us, events)
     decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
@@ -265,22 +275,20 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     results = {}
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
         prompt = prompt_source(kind, vocab_size, gen)
-        decode, profiles = {}, {}
+        decode, fixed, profiles = {}, {}, {}
         for b in DECODE_BATCHES:
             prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
-            timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-            prefill_only = timed(prompts, 1)
-            full = timed(prompts, 1 + DECODE_TOKENS)
-            decode[b] = b * DECODE_TOKENS / (full - prefill_only)
-            if args.profile:  # and the same steps unprofiled: what the profiler's steps miss of the 64-token runs
+            timed(prompts, 1 + DECODE_TOKENS[-1], repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
+            step, fixed[b] = decode_fit(timed(prompts, 1), *(timed(prompts, 1 + n) for n in DECODE_TOKENS))
+            decode[b] = b / step
+            if args.profile:
                 profiles[b] = profile_decode(llm, prompts)
-                profiles[b]["wall_us_per_step_unprofiled"] = (timed(prompts, 1 + PROFILE_TOKENS) - prefill_only) * 1e6 / PROFILE_TOKENS
         prefill = {}
         for n in PREFILL_LENGTHS:
             timed([prompt(n)], 1, repeats=1)  # warm-up
             prefill[n] = n / timed([prompt(n)], 1)
         results[kind] = {
-            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill,
             "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
             **spec_decode_counters(llm),
             **({"decode_profile": profiles} if args.profile else {}),

@@ -1,5 +1,5 @@
-"""`benchmarks/bench_serve.py`'s profile arithmetic on a made-up GPU timeline: merged busy intervals across
-streams, idle gaps placed in time, and only the decode steps' gaps counted."""
+"""`benchmarks/bench_serve.py`'s arithmetic on made-up timings: merged busy intervals across streams, idle gaps
+placed in time, only the added decode steps' gaps counted, and the decode rate free of a request's fixed cost."""
 
 from types import SimpleNamespace
 
@@ -20,9 +20,20 @@ def test_the_timeline_merges_streams_and_places_each_gap():
 
 
 def test_only_the_decode_steps_long_gaps_count():
-    """The prefill-only run spanned 50 µs: a long gap inside that span is the prefill's, one of IDLE_GAP_US or more
-    after it a decode step's, a shorter one a launch's latency."""
+    """The shorter run spanned 50 µs: a long gap inside that span is its own, one of IDLE_GAP_US or more after it
+    one of the steps the longer run adds, a shorter one a launch's latency."""
     long = bench_serve.IDLE_GAP_US
     gaps = [(10, long + 5, "p", "q"), (60, long, "s", "t"), (80, long - 1, "t", "u")]
-    assert bench_serve.decode_gaps(gaps, prefill_span=50) == [(long, "s", "t")]
+    assert bench_serve.decode_gaps(gaps, short_span=50) == [(long, "s", "t")]
     assert bench_serve._timeline([]) == (0.0, {}, [], 0.0)
+
+
+def test_decode_fit_cancels_a_requests_fixed_cost():
+    """12.7 ms a step and 170 ms a request pays beyond its prefill and steps (session 13's H200 figures at one
+    sequence): the slope gives the step, and the fixed part comes back; 64 tokens minus the prefill alone would
+    have reported 15.4 ms a step."""
+    short, long = bench_serve.DECODE_TOKENS
+    prefill, step, fixed = 0.050, 0.0127, 0.170
+    got_step, got_fixed_ms = bench_serve.decode_fit(prefill, prefill + fixed + short * step, prefill + fixed + long * step)
+    assert abs(got_step - step) < 1e-12 and abs(got_fixed_ms - fixed * 1e3) < 1e-9
+    assert abs((fixed + long * step) / long - 0.0154) < 1e-4
