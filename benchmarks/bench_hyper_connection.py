@@ -10,7 +10,8 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
-one Triton launch. Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
+one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
+brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
 default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
@@ -22,15 +23,20 @@ largest difference from torch's, and the sweep's µs per config with its best. W
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import platform
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
+
+from qwen4_exp_hcu.env import PDL_ENV
 
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
@@ -39,14 +45,20 @@ PAD = -(RANK + HC) % 16  # the merged GEMM's rows padded to 16 columns (`model.h
 
 TORCH = (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference)
 KERNELS = (hc.inject_norm, hc.scaled_silu, hc.gate_mix)
-OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0), "kernels_down_silu": (KERNELS, PAD)}
+OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0), "kernels_down_silu": (KERNELS, PAD),
+       "kernels_down_silu_no_pdl": (KERNELS, PAD)}  # fmt: skip
+
+
+def no_pdl(name: str):
+    """The variant's launches without programmatic dependent launch (`kernels_*_no_pdl`), else as the GPU allows."""
+    return mock.patch.dict(os.environ, {PDL_ENV: "0"}) if name.endswith("_no_pdl") else contextlib.nullcontext()
 
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
     """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights)."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
-    if variant == "kernels_down_silu":
+    if variant.startswith("kernels_down_silu"):
         silu, rest = hc.down_silu(normed, down_w[: RANK + HC + pad], RANK, float(HC), counts)
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
@@ -98,9 +110,11 @@ def sweep(weights, g: torch.Generator) -> dict:
         best = min((k for k, v in row.items() if k != "cublas_silu" and isinstance(v, float)), key=row.get)
         row["best"], row["best_vs_cublas_silu"] = best, row["cublas_silu"] / row[best]
         row["default_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
+        with no_pdl("_no_pdl"):
+            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
         out[t] = row
         print("sweep", t, best, f"{row[best]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
-              f"(default {row['default_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
+              f"(default {row['default_vs_cublas_silu']:.2f}x, without PDL {row['default_no_pdl_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
     return out
 
 
@@ -138,12 +152,13 @@ def main() -> None:
         streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
-        for name in (n for n in OPS if n != "kernels_down_silu" or t <= hc.DOWN_SILU_MAX_TOKENS):
+        for name in (n for n in OPS if not n.startswith("kernels_down_silu") or t <= hc.DOWN_SILU_MAX_TOKENS):
             run = lambda: [block(name, streams, pending, *w, counts) for w in weights]  # noqa: E731
-            outputs[name] = run()[0]
-            row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3 / len(weights)}
-            if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly
-                row[name]["eager_us"] = do_bench(run, rep=200) * 1e3 / len(weights)
+            with no_pdl(name):
+                outputs[name] = run()[0]
+                row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3 / len(weights)}
+                if t >= 4096:  # prefill sizes: FULL_DECODE_ONLY runs them eagerly
+                    row[name]["eager_us"] = do_bench(run, rep=200) * 1e3 / len(weights)
         leaves = {name: torch.utils._pytree.tree_leaves(out) for name, out in outputs.items()}
         row["max_abs_diff"] = {
             name: max((a.float() - b.float()).abs().max().item() for a, b in zip(leaves["torch"], leaves[name], strict=True))
@@ -153,6 +168,7 @@ def main() -> None:
         row["ratio_padding"] = row["kernels_unpadded"]["graph_us"] / row["kernels"]["graph_us"]
         if "kernels_down_silu" in row:
             row["ratio_down_silu"] = row["kernels"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
+            row["ratio_pdl"] = row["kernels_down_silu_no_pdl"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
         results[t] = row
         print(t, json.dumps(row), flush=True)
     out = Path(args.out)

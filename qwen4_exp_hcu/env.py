@@ -8,6 +8,9 @@ DISABLE_ENV = "QWEN4_EXP_HCU_DISABLE"
 """`1`: keep vLLM's own Qwen4Exp class (and its quantization handling); only the alias is ours."""
 PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 """`0`: run each PLE lookup inside its layer instead of prefetching it on a side stream."""
+PDL_ENV = "QWEN4_EXP_HCU_PDL"
+"""`0`: launch the hyper-connection kernels without programmatic dependent launch (on by default where the GPU
+has it: NVIDIA from Hopper), to measure what it brings or to rule it out."""
 TORCH_OPS_ENV = "QWEN4_EXP_HCU_TORCH_OPS"
 """Kernel names (`kernels.SWAPPABLE`, comma-separated, or `all`) that run as their torch references on an
 accelerator too: to isolate a kernel on a new platform, or to find which one moves a result."""
@@ -29,6 +32,10 @@ def override_disabled() -> bool:
 
 def prefetch_enabled() -> bool:
     return os.environ.get(PREFETCH_ENV, "1").strip().lower() not in _FALSE
+
+
+def pdl_enabled() -> bool:
+    return os.environ.get(PDL_ENV, "1").strip().lower() not in _FALSE
 
 
 def vision_available() -> bool:

@@ -195,6 +195,9 @@ def _fp8_decode_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
 
 
 LAUNCHES = _launches()
+# the hyper-connection kernels as a Hopper GPU launches them (`hyper_connection.launch_pdl`; the CPU stand-ins say no)
+PDL_LAUNCHES = {f"{name}-pdl": Launch(launch.kernel, launch.args, {**launch.kwargs, "launch_pdl": True})
+                for name, launch in LAUNCHES.items() if name.startswith("hc-")}  # fmt: skip
 # not a kernel of ours: what shows the check can fail (the last test)
 PROBES = {"fp8-decode": Launch(_fp8_decode_kernel, (torch.zeros(8, dtype=torch.float8_e4m3fn), torch.zeros(8)), dict(BLOCK=8))}
 
@@ -205,7 +208,7 @@ def aot_compile(launch: Launch, target: GPUTarget, specialize: bool):
     JIT makes for this target (16-byte alignment, AMD's 2 GiB buffer range), else none."""
     kernel, backend = launch.kernel, make_backend(target)
     bound = kernel.signature.bind(*launch.args, **{k: v for k, v in launch.kwargs.items() if k in kernel.arg_names})
-    options = {k: v for k, v in launch.kwargs.items() if k not in kernel.arg_names}  # num_warps, when passed
+    options = dict(launch.kwargs)  # as the JIT: the backend takes its options' names (num_warps, launch_pdl), if passed
     signature, constexprs, attrs = {}, {}, {}
     for i, (param, value) in enumerate(zip(kernel.params, bound.arguments.values())):
         if param.is_constexpr:
@@ -226,10 +229,13 @@ def aot_compile(launch: Launch, target: GPUTarget, specialize: bool):
 def _compile_in_worker(variant: str, target: str, specialize: bool) -> dict:
     """Runs in a worker: the artifacts that came out and num_warps, or the error."""
     try:
-        compiled = aot_compile((LAUNCHES | PROBES)[variant], TARGETS[target], specialize)
+        compiled = aot_compile((LAUNCHES | PDL_LAUNCHES | PROBES)[variant], TARGETS[target], specialize)
     except Exception:
         return {"error": traceback.format_exc()}
-    return {"artifacts": {k for k, v in compiled.asm.items() if v}, "num_warps": compiled.metadata.num_warps}
+    return {"artifacts": {k for k, v in compiled.asm.items() if v}, "num_warps": compiled.metadata.num_warps,
+            "launch_pdl": compiled.metadata.launch_pdl if TARGETS[target].backend == "cuda" else False,
+            "griddepcontrol": sorted({w for w in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+                                      if w in compiled.asm.get("ptx", "")})}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +255,8 @@ def compile_aot(request):
     for item in request.session.items:
         if getattr(item, "originalname", None) == test_kernel_compiles_ahead_of_time.__name__:
             submit(*(item.callspec.params[k] for k in ("variant", "target", "specialize")))
+        elif getattr(item, "originalname", None) == test_hopper_launches_hyper_connection_kernels_dependently.__name__:
+            submit(item.callspec.params["variant"], "sm90", True)
     try:
         yield lambda *case: submit(*case).result()
     finally:
@@ -263,6 +271,18 @@ def test_kernel_compiles_ahead_of_time(compile_aot, variant, target, specialize)
     assert "error" not in result, result.get("error")
     assert ARTIFACTS[TARGETS[target].backend] <= result["artifacts"], result["artifacts"]
     assert result["num_warps"] == LAUNCHES[variant].kwargs.get("num_warps", 4)  # Triton's default: 4
+    assert not result["launch_pdl"] and not result["griddepcontrol"]  # CPU stand-ins: no dependent launch
+
+
+@pytest.mark.parametrize("variant", PDL_LAUNCHES)
+def test_hopper_launches_hyper_connection_kernels_dependently(compile_aot, variant):
+    """On Hopper each hyper-connection kernel is launched as a programmatic dependent (Triton's launch option) and
+    waits for the kernel before it, then lets the next one start (`griddepcontrol` in its PTX): a kernel launched
+    so without the wait would read its input before it is written."""
+    result = compile_aot(variant, "sm90", True)
+    assert "error" not in result, result.get("error")
+    assert result["launch_pdl"]
+    assert result["griddepcontrol"] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
 
 
 def test_a_kernel_a_target_cannot_compile_fails(compile_aot):

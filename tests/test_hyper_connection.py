@@ -4,6 +4,8 @@ float32 results agree to float32 rounding. bf16 ones to two bf16 steps of the te
 interpreter casts float -> bf16 by truncation where a GPU rounds to nearest, and the kernels round where the
 references do, so their bf16 results differ by a rounding step at a time."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -200,6 +202,58 @@ def test_empty_batches_launch_nothing():
     assert hc.inject_norm(x, torch.zeros(HC * H), 1e-6, H)[1].shape == x.shape
     assert hc.gate_mix(x, x, HC, torch.empty(0, HC))[0].shape == (0, H)
     assert hc.scaled_silu(torch.empty(0, 8), 4.0).shape == (0, 8)
+
+
+def test_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
+    """Programmatic dependent launch (`griddepcontrol`, NVIDIA from Hopper): never for CPU tensors (the interpreter
+    has no such instruction), nor on a GPU without it, nor with QWEN4_EXP_HCU_PDL=0."""
+    on_gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    assert not hc.launch_pdl(torch.zeros(1))
+    monkeypatch.setattr(hc, "_has_pdl", lambda device: False)
+    assert not hc.launch_pdl(on_gpu)
+    monkeypatch.setattr(hc, "_has_pdl", lambda device: True)
+    assert hc.launch_pdl(on_gpu)
+    monkeypatch.setenv("QWEN4_EXP_HCU_PDL", "0")
+    assert not hc.launch_pdl(on_gpu)
+
+
+def _decode_chain(streams, pending, norm_w, down_w, up_w, counts, ops):
+    """Two hyper-connections' kernels back to back at one token, as a decode step's graph launches them (each
+    kernel reads what the one before it wrote): `ops` the kernels or their references."""
+    inject_norm, down_silu, gate_mix = ops
+    streams, normed = inject_norm(streams, norm_w, 1e-6, H, *pending)
+    silu, rest = down_silu(normed, down_w, 30, float(HC))
+    mixed, weights = gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])
+    streams, normed = inject_norm(streams, norm_w, 1e-6, H, mixed, weights)
+    silu, rest = down_silu(normed, down_w, 30, float(HC))
+    return gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_a_decode_chain_in_a_cuda_graph_matches_its_reference(monkeypatch, pdl):
+    """The kernels captured in one CUDA graph, launched as programmatic dependents where the GPU has them: each
+    replay, on new inputs, matches the references, and gives the bits the same kernels give launched one by one
+    (a kernel that read its input before the one before it had written it would differ)."""
+    monkeypatch.setenv("QWEN4_EXP_HCU_PDL", pdl)
+    dev, dt = "cuda", torch.bfloat16
+    streams = _randn(1, HC * H, dtype=dt, seed=0, device=dev)
+    pending = _pending(dt, dev)[0][:1], _pending(dt, dev)[1][:1]
+    norm_w = _randn(HC * H, dtype=dt, seed=3, scale=0.1, device=dev)
+    down_w, up_w = _randn(40, HC * H, dtype=dt, seed=4, scale=0.05, device=dev), _randn(HC * H, 30, dtype=dt, seed=5, scale=0.2, device=dev)
+    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)
+    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix)
+    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference)
+    args = (streams, pending, norm_w, down_w, up_w, counts)
+    _decode_chain(*args, kernels)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decode_chain(*args, kernels)
+    for seed in range(5):
+        streams.copy_(_randn(1, HC * H, dtype=dt, seed=10 + seed, device=dev))
+        graph.replay()
+        torch.testing.assert_close(out, _decode_chain(*args, references), rtol=0.05, atol=0.05)
+        assert torch.equal(out, _decode_chain(*args, kernels))
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,14 @@ tips a rounding, one bf16 step each.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from qwen4_exp_hcu.env import pdl_enabled
 
 
 @triton.jit
@@ -35,16 +38,21 @@ def group_rms_norm(x, w_ptr, g, G, cols, mask, eps):
 @triton.jit
 def _inject_norm_kernel(
     x_ptr, block_ptr, w_ptr, norm_w_ptr, streams_ptr, normed_ptr, G, eps,
-    N_GROUPS: tl.constexpr, INJECT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+    N_GROUPS: tl.constexpr, INJECT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     row, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < G
     at = row * N_GROUPS * G + g * G + cols
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + at, mask=mask, other=0.0)
     if INJECT:
         b = tl.load(block_ptr + row * G + cols, mask=mask, other=0.0)
         w = tl.load(w_ptr + row * N_GROUPS + g).to(tl.float32)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
+    if INJECT:
         x = (x.to(tl.float32) + (w * b.to(tl.float32)).to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(streams_ptr + at, x, mask=mask)
     if NORM:
@@ -53,11 +61,15 @@ def _inject_norm_kernel(
 
 
 @triton.jit
-def _scaled_silu_kernel(x_ptr, out_ptr, N, x_stride, scale, BLOCK: tl.constexpr):
+def _scaled_silu_kernel(x_ptr, out_ptr, N, x_stride, scale, BLOCK: tl.constexpr, launch_pdl: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
     x = (x.to(tl.float32) / scale).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (x * tl.sigmoid(x)).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -65,18 +77,22 @@ def _scaled_silu_kernel(x_ptr, out_ptr, N, x_stride, scale, BLOCK: tl.constexpr)
 @triton.jit
 def _gate_mix_kernel(
     up_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, H, logits_stride,
-    HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+    HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
     for s in tl.static_range(HC):
         at = row * HC * H + s * H + cols
         up = tl.load(up_ptr + at, mask=mask, other=0.0)
         gate = tl.sigmoid(up.to(tl.float32)).to(up.dtype).to(tl.float32)
         normed = tl.load(normed_ptr + at, mask=mask, other=0.0).to(tl.float32)
         acc += (gate * normed).to(up.dtype).to(tl.float32)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(mixed_ptr + row * H + cols, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
     if WEIGHTS:
         if blk == 0:
@@ -99,12 +115,15 @@ def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale
 
 
 @triton.jit
-def _down_silu_block(
-    acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k, K, x_stride, w_stride, DOT: tl.constexpr, UPCAST: tl.constexpr
-):
-    """`acc` plus the products over the K block `k`."""
+def _down_silu_weights(w_ptr, cols, col_ok, k, K, w_stride):
+    """The weights of K block `k`, `[BLOCK_K, BLOCK_N]`."""
+    return tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _down_silu_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """`acc` plus the products over the K block `k` (`w`: its weights)."""
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-    w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies bf16 dots wrongly; fp32 holds bf16 values exactly
         x, w = x.to(tl.float32), w.to(tl.float32)
     if DOT:
@@ -118,14 +137,16 @@ def _down_silu_block(
 def _down_silu_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr, UNROLLED_K: tl.constexpr,
+    UPCAST: tl.constexpr, UNROLLED_K: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
     `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
     CuTe kernel's scheme: a program per column reading its whole weight row). UNROLLED_K (one split): K as a
-    constant, its loop unrolled so that every K block's loads can be in flight at once."""
+    constant, its loop unrolled so that every K block's loads can be in flight at once. The first K block's weights
+    load before the wait for the previous kernel (`launch_pdl`): they are parameters, not its output, so with 10
+    splits of one K block at one token, all of a launch's weight reads overlap the kernel before it."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,12 +154,21 @@ def _down_silu_kernel(
     row_ok, col_ok = rows < T, cols < N
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = 0 if UNROLLED_K else split * span  # a split past K (K / SPLIT not a whole block) loads nothing
+    w = _down_silu_weights(w_ptr, cols, col_ok, first + ks, K, w_stride)
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
+    acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, first + ks, K, x_stride, DOT, UPCAST)
     if UNROLLED_K:
-        for k0 in tl.static_range(0, UNROLLED_K, BLOCK_K):
-            acc = _down_silu_block(acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0 + ks, K, x_stride, w_stride, DOT, UPCAST)
+        for k0 in tl.static_range(BLOCK_K, UNROLLED_K, BLOCK_K):
+            w = _down_silu_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
+            acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
     else:
-        for k0 in range(split * span, tl.minimum(split * span + span, K), BLOCK_K):
-            acc = _down_silu_block(acc, x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0 + ks, K, x_stride, w_stride, DOT, UPCAST)
+        for k0 in range(first + BLOCK_K, tl.minimum(first + span, K), BLOCK_K):
+            w = _down_silu_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
+            acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT == 1:  # the whole K in this program: no partials, no counter
         _down_silu_store(acc, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
@@ -153,6 +183,20 @@ def _down_silu_kernel(
                 total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
             _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+
+
+def launch_pdl(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch for a kernel over `t` (as vLLM's own hyper-connection kernels launch): the
+    kernel starts while the one before it drains, waits for it (`gdc_wait`) before reading anything it may have
+    written, and lets the next one start once its own loads are issued. NVIDIA from Hopper only (`griddepcontrol`);
+    off on ROCm, the CPU and with QWEN4_EXP_HCU_PDL=0. One flag, passed as the kernels' `launch_pdl` constexpr,
+    is also Triton's launch option of that name."""
+    return t.device.type == "cuda" and pdl_enabled() and _has_pdl(t.device)
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def group_warps(block: int) -> int:
@@ -190,7 +234,7 @@ def inject_norm(
             x, x if block_out is None else block_out.contiguous(), x if weights is None else weights.contiguous(),
             x if norm_weight is None else norm_weight, streams, x if normed is None else normed, group, eps,
             N_GROUPS=n_groups, INJECT=block_out is not None, NORM=norm_weight is not None, BLOCK=block,
-            num_warps=group_warps(block),
+            num_warps=group_warps(block), launch_pdl=launch_pdl(x),
         )  # fmt: skip
     return streams, normed
 
@@ -205,7 +249,9 @@ def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         n = x.shape[-1]
-        _scaled_silu_kernel[(x.shape[0],)](x, out, n, x.stride(0), scale, BLOCK=triton.next_power_of_2(n))
+        _scaled_silu_kernel[(x.shape[0],)](
+            x, out, n, x.stride(0), scale, BLOCK=triton.next_power_of_2(n), launch_pdl=launch_pdl(x)
+        )
     return out
 
 
@@ -233,7 +279,7 @@ def gate_mix(
         _gate_mix_kernel[(rows, triton.cdiv(h, block))](
             up, normed, up if logits is None else logits, mixed, mixed if weights is None else weights, h,
             0 if logits is None else logits.stride(0),
-            HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK=block,
+            HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK=block, launch_pdl=launch_pdl(up),
         )  # fmt: skip
     return mixed, weights
 
@@ -295,6 +341,6 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2),
+        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
