@@ -153,7 +153,9 @@ def tensor_bytes(model) -> dict:
 def decode_fit(prefill_only: float, short: float, long: float) -> tuple[float, float]:
     """(seconds per decode step, a request's fixed seconds beyond its prefill and steps) from the wall times of
     a prefill-only request and of DECODE_TOKENS' two lengths. The fixed part (measured on the H200: ~170 ms at one
-    sequence, varying run to run) had made 64 tokens minus the prefill swing a class's tokens/s by up to 10 %."""
+    sequence, varying run to run) had made 64 tokens minus the prefill swing a class's tokens/s by up to 10 %. The
+    fixed part comes out negative where later steps cost more than the first 16 (attention over a longer context
+    at large batches: -120 ms at 256 sequences)."""
     (n_short, n_long) = DECODE_TOKENS
     step = (long - short) / (n_long - n_short)
     return step, (short - prefill_only - n_short * step) * 1e3
