@@ -196,6 +196,60 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:1], weight, 30, 4.0, counts, hc.DownSiluConfig(unroll=True))
 
 
+def _up_mix_inputs(t, dtype, device, rank=30):
+    """The low-rank mix's input (`down_silu`'s `down`), the up weight over `rank` (not a multiple of the rank
+    block), the normed streams and the injection logits as a column slice of a wider GEMM output."""
+    down = _randn(t, rank, dtype=dtype, seed=t, device=device)
+    weight = _randn(HC * H, rank, dtype=dtype, seed=200 + t, scale=0.2, device=device)
+    logits = _randn(t, HC + 3, dtype=dtype, seed=300 + t, device=device)[:, :HC]
+    return down, weight, _randn(t, HC * H, dtype=dtype, seed=400 + t, device=device), logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, hc.DOWN_SILU_MAX_TOKENS])  # multiply-adds at one row, dots above
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_up_mix_matches_reference(device, dtype, tokens, with_logits):
+    down, weight, normed, logits = _up_mix_inputs(tokens, dtype, device)
+    args = (down, weight, normed, HC, logits if with_logits else None)
+    _assert_all_close(hc.up_mix(*args), hc.up_mix_reference(*args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "tokens, config",
+    [pytest.param(1, hc.UpMixConfig(block_h=8, block_r=16, num_warps=1), id="1-narrow"),
+     pytest.param(1, hc.UpMixConfig(block_h=64, block_r=512, num_warps=8), id="1-whole_rank_wide"),
+     pytest.param(17, hc.UpMixConfig(block_h=16, block_r=16), id="17-small_dots"),
+     pytest.param(17, hc.UpMixConfig(block_h=64, block_r=128, num_warps=8), id="17-wide_dots")],
+)  # fmt: skip
+def test_up_mix_launch_configs_agree(device, tokens, config):
+    """Column blocks that do not divide the mix (48 columns), rank blocks smaller and larger than the rank."""
+    down, weight, normed, logits = _up_mix_inputs(tokens, torch.bfloat16, device)
+    got = hc.up_mix(down, weight, normed, HC, logits, config)
+    _assert_all_close(got, hc.up_mix_reference(down, weight, normed, HC, logits))
+
+
+@cpu_only
+def test_the_tolerance_sees_the_up_projection_of_the_wrong_stream():
+    """Each stream's gate must come from its own columns of the up projection: one stream's off by one place
+    fails the comparison."""
+    down, weight, normed, logits = _up_mix_inputs(1, torch.bfloat16, "cpu")
+    shifted = weight.unflatten(0, (HC, H)).roll(1, dims=0).flatten(0, 1)
+    with pytest.raises(AssertionError):
+        _assert_close(hc.up_mix(down, shifted, normed, HC)[0], hc.up_mix_reference(down, weight, normed, HC)[0])
+
+
+def test_up_mix_refuses_what_it_does_not_serve():
+    down, weight, normed, _ = _up_mix_inputs(1, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="33 rows"):
+        hc.up_mix(down.expand(33, -1), weight, normed.expand(33, -1), HC)
+    with pytest.raises(ValueError, match="do not make 4 streams"):
+        hc.up_mix(down, weight[:, :-1], normed, HC)
+    with pytest.raises(ValueError, match="blocks of 16"):
+        hc.up_mix(down.expand(2, -1), weight, normed.expand(2, -1), HC, config=hc.UpMixConfig(block_h=8))
+
+
 @cpu_only
 def test_empty_batches_launch_nothing():
     x = torch.empty(0, HC * H)
@@ -219,14 +273,15 @@ def test_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
 
 def _decode_chain(streams, pending, norm_w, down_w, up_w, counts, ops):
     """Two hyper-connections' kernels back to back at one token, as a decode step's graph launches them (each
-    kernel reads what the one before it wrote): `ops` the kernels or their references."""
-    inject_norm, down_silu, gate_mix = ops
+    kernel reads what the one before it wrote; the up GEMM and the mix as two launches, then fused): `ops` the
+    kernels or their references."""
+    inject_norm, down_silu, gate_mix, up_mix = ops
     streams, normed = inject_norm(streams, norm_w, 1e-6, H, *pending)
     silu, rest = down_silu(normed, down_w, 30, float(HC))
     mixed, weights = gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])
     streams, normed = inject_norm(streams, norm_w, 1e-6, H, mixed, weights)
     silu, rest = down_silu(normed, down_w, 30, float(HC))
-    return gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])[0]
+    return up_mix(silu, up_w, normed, HC, rest[:, :HC])
 
 
 @pytest.mark.gpu
@@ -242,8 +297,8 @@ def test_a_decode_chain_in_a_cuda_graph_matches_its_reference(monkeypatch, pdl):
     norm_w = _randn(HC * H, dtype=dt, seed=3, scale=0.1, device=dev)
     down_w, up_w = _randn(40, HC * H, dtype=dt, seed=4, scale=0.05, device=dev), _randn(HC * H, 30, dtype=dt, seed=5, scale=0.2, device=dev)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)
-    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix)
-    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference)
+    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix, hc.up_mix)
+    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference, hc.up_mix_reference)
     args = (streams, pending, norm_w, down_w, up_w, counts)
     _decode_chain(*args, kernels)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -252,8 +307,9 @@ def test_a_decode_chain_in_a_cuda_graph_matches_its_reference(monkeypatch, pdl):
     for seed in range(5):
         streams.copy_(_randn(1, HC * H, dtype=dt, seed=10 + seed, device=dev))
         graph.replay()
-        torch.testing.assert_close(out, _decode_chain(*args, references), rtol=0.05, atol=0.05)
-        assert torch.equal(out, _decode_chain(*args, kernels))
+        for got, want in zip(out, _decode_chain(*args, references), strict=True):
+            torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert all(map(torch.equal, out, _decode_chain(*args, kernels)))
 
 
 @pytest.fixture(scope="module")
@@ -349,10 +405,11 @@ def test_the_merged_gemm_writes_aligned_rows(tiny_model):
 
 
 @pytest.mark.vllm
-def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeypatch):
-    """Which batches take `down_silu`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
-    CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
-    `QWEN4_EXP_HCU_TORCH_OPS` names it."""
+@pytest.mark.parametrize("kernel", ["down_silu", "up_mix"])
+def test_the_model_fuses_its_gemms_at_decode_sizes_on_an_accelerator(monkeypatch, kernel):
+    """Which batches take `down_silu` and `up_mix`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager
+    or in a CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
+    `QWEN4_EXP_HCU_TORCH_OPS` names the kernel (the other one stays fused)."""
     from types import SimpleNamespace
 
     from vllm import envs
@@ -360,7 +417,7 @@ def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeyp
     from qwen4_exp_hcu.model.hyper_connection import GatedResidual
 
     def fused(tokens, device="cuda"):
-        return GatedResidual._fuse_down(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)))
+        return GatedResidual._fused(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)), kernel)
 
     assert [fused(t) for t in (0, 1, hc.DOWN_SILU_MAX_TOKENS, hc.DOWN_SILU_MAX_TOKENS + 1)] == [False, True, True, False]
     assert not fused(1, "cpu")
@@ -370,5 +427,7 @@ def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeyp
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not fused(1)
     monkeypatch.undo()
-    monkeypatch.setenv("QWEN4_EXP_HCU_TORCH_OPS", "down_silu")
+    monkeypatch.setenv("QWEN4_EXP_HCU_TORCH_OPS", kernel)
     assert not fused(1)
+    other = "up_mix" if kernel == "down_silu" else "down_silu"
+    assert GatedResidual._fused(SimpleNamespace(device=torch.device("cuda"), shape=(1, 8)), other)

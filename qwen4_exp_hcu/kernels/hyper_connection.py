@@ -8,7 +8,8 @@ twenty per hyper-connection; in a CUDA graph at small batches their launches, no
 * `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights);
 * `down_silu`: at a few tokens (decode), the merged down + injection GEMM with `scaled_silu` on its down columns,
   one launch where cuBLAS took a split-K GEMM, its reduction and the silu (vLLM's class fuses the same with a
-  CuTe DSL kernel, NVIDIA only).
+  CuTe DSL kernel, NVIDIA only);
+* `up_mix`: at the same sizes, the up GEMM with `gate_mix` as its epilogue (vLLM's class runs them as two).
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
 Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt
@@ -96,11 +97,18 @@ def _gate_mix_kernel(
     tl.store(mixed_ptr + row * H + cols, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
     if WEIGHTS:
         if blk == 0:
-            streams = tl.arange(0, HC_P2)
-            logits = tl.load(logits_ptr + row * logits_stride + streams, mask=streams < HC, other=0.0)
-            scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
-            weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
-            tl.store(weights_ptr + row * HC + streams, weights.to(weights_ptr.dtype.element_ty), mask=streams < HC)
+            _injection_weights(logits_ptr, weights_ptr, row + tl.arange(0, 1), tl.full([1], True, tl.int1), logits_stride, HC, HC_P2)
+
+
+@triton.jit
+def _injection_weights(logits_ptr, weights_ptr, rows, row_ok, logits_stride, HC: tl.constexpr, HC_P2: tl.constexpr):
+    """`2 * sigmoid(logits / hc)` of `rows`, rounded where the reference rounds."""
+    streams = tl.arange(0, HC_P2)
+    mask = row_ok[:, None] & (streams < HC)[None, :]
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + streams[None, :], mask=mask, other=0.0)
+    scaled = (logits.to(tl.float32) / HC).to(logits.dtype).to(tl.float32)
+    weights = 2.0 * tl.sigmoid(scaled).to(logits.dtype).to(tl.float32)
+    tl.store(weights_ptr + rows[:, None] * HC + streams[None, :], weights.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -183,6 +191,45 @@ def _down_silu_kernel(
                 total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
             _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["T"])
+def _up_mix_kernel(
+    down_ptr, w_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, T, H, R, down_stride, w_stride, logits_stride,
+    HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, launch_pdl: tl.constexpr,
+):  # fmt: skip
+    """Program (column block of the mix, row block): per stream s, the up GEMM's columns `s * H + cols` over the
+    low rank R, rounded as the GEMM's output, then `gate_mix`'s epilogue on them (sigmoid gate times the stream's
+    normed values, the streams' mean), so the up projection never goes through memory. Column block 0 also
+    writes the injection weights. The first stream's first rank block of weights loads before the wait for the
+    previous kernel (`launch_pdl`)."""
+    pid_h, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    rs = tl.arange(0, BLOCK_R)
+    row_ok, col_ok = rows < T, cols < H
+    mask = row_ok[:, None] & col_ok[None, :]
+    w = _down_silu_weights(w_ptr, cols, col_ok, rs, R, w_stride)
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
+    mix = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for s in tl.static_range(HC):
+        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            if s > 0 or r0 > 0:
+                w = _down_silu_weights(w_ptr, s * H + cols, col_ok, r0 + rs, R, w_stride)
+            acc = _down_silu_block(acc, down_ptr, w, rows, row_ok, r0 + rs, R, down_stride, DOT, UPCAST)
+        up = acc.to(mixed_ptr.dtype.element_ty)  # the GEMM's output
+        gate = tl.sigmoid(up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        normed = tl.load(normed_ptr + rows[:, None].to(tl.int64) * HC * H + s * H + cols[None, :], mask=mask, other=0.0)
+        mix += (gate * normed.to(tl.float32)).to(up.dtype).to(tl.float32)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(mixed_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], (mix / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
+    if WEIGHTS:
+        if pid_h == 0:
+            _injection_weights(logits_ptr, weights_ptr, rows, row_ok, logits_stride, HC, HC_P2)
 
 
 def launch_pdl(t: torch.Tensor) -> bool:
@@ -344,3 +391,54 @@ def down_silu(
         UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
+
+
+@dataclass(frozen=True)
+class UpMixConfig:
+    """`up_mix`'s launch: programs = column blocks of the mix (`block_h` columns) x row blocks, each stepping
+    through the rank `block_r` at a time. None: by rows (one row: multiply-adds; more: `tl.dot`, 16 columns or
+    more). Not yet measured: `benchmarks/bench_hyper_connection.py --sweep` times the candidates."""
+
+    block_h: int | None = None  # None: 16 at one row, 32 with `tl.dot`
+    block_r: int | None = None  # None: 128 at one row, 64 with `tl.dot`
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
+
+
+def up_mix_reference(
+    down: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gate_mix_reference` of the up projection `down @ weight.T`."""
+    return gate_mix_reference(torch.nn.functional.linear(down, weight), normed, hc, logits)
+
+
+def up_mix(
+    down: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None,
+    config: UpMixConfig = UpMixConfig(),
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`up_mix_reference` in one launch for 1..DOWN_SILU_MAX_TOKENS rows, where the GEMM library's up GEMM and
+    `gate_mix` took two (the decode sizes `down_silu` serves; its `down` output is this one's input)."""
+    (t, r), (n, r_w) = down.shape, weight.shape
+    if not 1 <= t <= DOWN_SILU_MAX_TOKENS:
+        raise ValueError(f"up_mix: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
+    if r_w != r or n % hc or normed.shape != (t, n):
+        raise ValueError(f"up_mix: down {tuple(down.shape)}, weight {tuple(weight.shape)} and normed "
+                         f"{tuple(normed.shape)} do not make {hc} streams of one projection")  # fmt: skip
+    down, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (down, weight))
+    normed = normed.contiguous()
+    if logits is not None and logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    h, dot = n // hc, t > 1
+    block_m = max(16 if dot else 1, triton.next_power_of_2(t))
+    block_h, block_r = config.block_h or (32 if dot else 16), config.block_r or (64 if dot else 128)
+    if dot and (block_h < 16 or block_r < 16):
+        raise ValueError(f"up_mix: {t} rows take tl.dot, which needs blocks of 16 or more, got {block_h} x {block_r}")
+    mixed = normed.new_empty(t, h)
+    weights = None if logits is None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _up_mix_kernel[(triton.cdiv(h, block_h), triton.cdiv(t, block_m))](
+        down, weight, normed, mixed if logits is None else logits, mixed, mixed if weights is None else weights,
+        t, h, r, down.stride(0), weight.stride(0), 0 if logits is None else logits.stride(0),
+        HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK_M=block_m, BLOCK_H=block_h,
+        BLOCK_R=block_r, DOT=dot, UPCAST=down.device.type == "cpu", num_warps=config.num_warps or (4 if dot else 2),
+        launch_pdl=launch_pdl(down),
+    )  # fmt: skip
+    return mixed, weights
