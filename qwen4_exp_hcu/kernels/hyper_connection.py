@@ -333,7 +333,7 @@ def gate_mix(
 
 # above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
 # own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.67x / 1.38x / 1.38x / 1.27x at 1 / 4 / 16 / 32
-# tokens (benchmarks/results/hyper_connection); in serving, 585 against 802 us per 48-layer step at one token (16 splits, 4 warps)
+# tokens (benchmarks/results/hyper_connection); in serving, 560 against 802 us per 48-layer step at one token
 DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
