@@ -1,6 +1,7 @@
-"""Hyper-connection glue in three Triton kernels: without torch.compile (vLLM's default for Qwen4Exp: breakable
-graphs) each torch op of the grouped norm, the gated mix and the stream injection is a kernel of its own, about
-twenty per hyper-connection; in a CUDA graph at small batches their launches, not their bytes, set the time.
+"""Hyper-connection glue in three Triton kernels, and two that fuse it with the GEMMs at decode sizes: without
+torch.compile (vLLM's default for Qwen4Exp: breakable graphs) each torch op of the grouped norm, the gated mix and
+the stream injection is a kernel of its own, about twenty per hyper-connection; in a CUDA graph at small batches
+their launches, not their bytes, set the time. On NVIDIA from Hopper they launch as programmatic dependents.
 
 * `inject_norm`: `streams + w[s] * block_out` for each stream s (optional) fused with the zero-centred grouped
   RMSNorm of every group (the norm optional too: the injection alone ends a decoder layer);
