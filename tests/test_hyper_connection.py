@@ -350,6 +350,40 @@ def test_gated_residual_runs_the_kernels_as_its_reference(tiny_model, monkeypatc
     _assert_all_close(run(), expected)
 
 
+@cpu_only
+@pytest.mark.vllm
+@pytest.mark.parametrize("tokens", [1, 5])  # multiply-adds, dots
+def test_gated_residual_fused_at_decode_sizes_as_unfused(vllm_process, tiny, monkeypatch, tokens):
+    """The model's decode path on an accelerator (the down GEMM with its silu, the up GEMM with the mix: one
+    launch each) gives what its GEMM-library path gives, on the checkpoint's own weights: a decoder layer's
+    hyper-connection with a pending injection and the final mixer. Run on the CPU with the fusion forced and the
+    kernels under the interpreter, on the weights as loaded (vLLM's CPU GEMMs repack them; torch's GEMM here, as
+    an accelerator's unquantized linears run)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    import qwen4_exp_hcu.model.hyper_connection as module
+    from helpers.vllm_inproc import load
+
+    model = load(tiny["bf16"], dtype="bfloat16")
+    monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: torch.nn.functional.linear(x, layer.weight, bias))
+    layer, mixer = model.model.layers[0], model.model.hyper_connection_mixer
+    streams, block_out = (x[:tokens] for x in _inputs(model.config))
+    weights = _randn(tokens, model.config.hc_count, dtype=torch.bfloat16, seed=12).sigmoid() * 2
+
+    def run():
+        return (*layer.mlp_hyper_connection(streams, (block_out, weights)), mixer(streams))
+
+    monkeypatch.setattr(module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
+    unfused = run()
+    calls = []
+    for name in ("down_silu", "up_mix"):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, **kw: calls.append(kernel.__name__) or kernel(*a, **kw))
+    monkeypatch.setattr(module.GatedResidual, "_fused", staticmethod(lambda normed, kernel: True))
+    _assert_all_close(run(), unfused)
+    assert calls == ["down_silu", "up_mix"] * 2  # the layer's hyper-connection, then the mixer
+
+
 ALLOCATIONS_AND_VIEWS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
                          "aten.view.default", "aten.split_with_sizes.default", "aten.slice.Tensor"}  # fmt: skip
 
