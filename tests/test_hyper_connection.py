@@ -271,6 +271,18 @@ def test_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
     assert not hc.launch_pdl(on_gpu)
 
 
+def test_no_dependent_launch_without_the_instructions(monkeypatch):
+    """A Triton without `griddepcontrol` (before 3.4) or a ROCm build launches as before, whatever the GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert hc._has_pdl.__wrapped__("cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not hc._has_pdl.__wrapped__("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delattr(hc.tl.extra.cuda, "gdc_wait")
+    assert not hc._has_pdl.__wrapped__("cuda")
+
+
 def _decode_chain(streams, pending, norm_w, down_w, up_w, counts, ops):
     """Two hyper-connections' kernels back to back at one token, as a decode step's graph launches them (each
     kernel reads what the one before it wrote; the up GEMM and the mix as two launches, then fused): `ops` the

@@ -244,7 +244,10 @@ def launch_pdl(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+    """Hopper or later under CUDA, with a Triton that has the `griddepcontrol` instructions (3.4 on)."""
+    cuda = getattr(tl.extra, "cuda", None)
+    gdc = hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    return gdc and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def group_warps(block: int) -> int:
