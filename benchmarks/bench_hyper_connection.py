@@ -12,7 +12,8 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
 one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper); `kernels_fused` (what the model runs at those
-sizes) also does the up GEMM with the gated mix in one launch (`up_mix`; `ratio_up_mix` against `kernels_down_silu`). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
+sizes) also does the up GEMM with the gated mix in one launch (`up_mix`; `ratio_up_mix` against
+`kernels_down_silu`). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
 default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
@@ -39,7 +40,6 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from qwen4_exp_hcu.env import PDL_ENV
-
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 HC, HIDDEN, RANK = 4, 2560, 320
@@ -97,6 +97,23 @@ def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Te
              (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)) for _ in range(n)]  # fmt: skip
 
 
+def config_row(per, baseline: tuple, configs: list, label, launch) -> dict:
+    """µs of `baseline` (name, launch over a weight) and of `launch(weight, config)` per config, timed by `per`; a
+    config Triton cannot compile here (registers, shared memory) is reported under `failed`, not fatal to the
+    sweep. Then the best, its ratio to the baseline, and the default launch's (`launch(weight, None)`)."""
+    name, base = baseline
+    row = {name: per(base)}
+    for c in configs:
+        try:
+            row[label(c)] = per(lambda w, c=c: launch(w, c))
+        except Exception as e:
+            row.setdefault("failed", {})[label(c)] = f"{type(e).__name__}: {str(e)[:200]}"
+    best = min((k for k, v in row.items() if k != name and isinstance(v, float)), key=row.get)
+    row["best"], row[f"best_vs_{name}"] = best, row[name] / row[best]
+    row[f"default_vs_{name}"] = row[name] / per(lambda w: launch(w, None))
+    return row
+
+
 def sweep(weights, g: torch.Generator) -> dict:
     """µs per `down_silu` (the GEMM and the silu alone) per launch config, and cuBLAS + the silu kernel, per token
     count, each run going through every weight set."""
@@ -105,20 +122,15 @@ def sweep(weights, g: torch.Generator) -> dict:
     for t in SWEEP_TOKENS:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
-        row = {"cublas_silu": per(lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC)))}
-        for c in sweep_configs(t):
-            label = f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}" + ("_unrolled" if c.unroll else "")
-            try:  # a launch Triton cannot compile here (registers, shared memory) is reported, not fatal to the sweep
-                row[label] = per(lambda w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
-            except Exception as e:
-                row.setdefault("failed", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
-        best = min((k for k, v in row.items() if k != "cublas_silu" and isinstance(v, float)), key=row.get)
-        row["best"], row["best_vs_cublas_silu"] = best, row["cublas_silu"] / row[best]
-        row["default_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
+        row = config_row(
+            per, ("cublas_silu", lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
+            lambda c: f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}" + ("_unrolled" if c.unroll else ""),
+            lambda w, c: hc.down_silu(x, w, RANK, float(HC), counts, c or hc.DownSiluConfig()),
+        )  # fmt: skip
         with no_pdl("_no_pdl"):
             row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
         out[t] = row
-        print("sweep", t, best, f"{row[best]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
+        print("sweep", t, row["best"], f"{row[row['best']]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
               f"(default {row['default_vs_cublas_silu']:.2f}x, without PDL {row['default_no_pdl_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
     return out
 
@@ -160,18 +172,12 @@ def up_mix_sweep(weights, g: torch.Generator) -> dict:
         normed = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         logits = torch.randn(t, HC, device="cuda", generator=g).to(torch.bfloat16)
         per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, _, w in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
-        row = {"cublas_gate_mix": per(lambda w: hc.gate_mix(F.linear(down, w), normed, HC, logits))}
-        for c in up_mix_configs(t):
-            label = f"h{c.block_h}_r{c.block_r}_w{c.num_warps}"
-            try:
-                row[label] = per(lambda w, c=c: hc.up_mix(down, w, normed, HC, logits, c))
-            except Exception as e:
-                row.setdefault("failed", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
-        best = min((k for k, v in row.items() if k != "cublas_gate_mix" and isinstance(v, float)), key=row.get)
-        row["best"], row["best_vs_cublas_gate_mix"] = best, row["cublas_gate_mix"] / row[best]
-        row["default_vs_cublas_gate_mix"] = row["cublas_gate_mix"] / per(lambda w: hc.up_mix(down, w, normed, HC, logits))
-        out[t] = row
-        print("up_mix sweep", t, best, f"{row[best]:.2f} us", f"vs cuBLAS + gate_mix {row['best_vs_cublas_gate_mix']:.2f}x "
+        row = out[t] = config_row(
+            per, ("cublas_gate_mix", lambda w: hc.gate_mix(F.linear(down, w), normed, HC, logits)), up_mix_configs(t),
+            lambda c: f"h{c.block_h}_r{c.block_r}_w{c.num_warps}",
+            lambda w, c: hc.up_mix(down, w, normed, HC, logits, c or hc.UpMixConfig()),
+        )  # fmt: skip
+        print("up_mix sweep", t, row["best"], f"{row[row['best']]:.2f} us", f"vs cuBLAS + gate_mix {row['best_vs_cublas_gate_mix']:.2f}x "
               f"(default {row['default_vs_cublas_gate_mix']:.2f}x)", flush=True)  # fmt: skip
     return out
 

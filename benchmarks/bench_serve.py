@@ -23,8 +23,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
                      one graph, which the file tier's figures include and this variant separates out
 Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt: the time of 64 new tokens minus that of 16,
-so a request's fixed cost cancels; that cost, beyond prefill and its steps, is reported as `decode_fixed_ms`), prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and
-what the CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
+so a request's fixed cost cancels; that cost, beyond prefill and its steps, is reported as `decode_fixed_ms`),
+prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and what the
+CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
 the GPU holds no copy of a host table).
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
 batch, where a decode step's time goes: wall time per step against the GPU's busy time per step (CUDA

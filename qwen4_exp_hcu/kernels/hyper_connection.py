@@ -124,13 +124,13 @@ def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale
 
 
 @triton.jit
-def _down_silu_weights(w_ptr, cols, col_ok, k, K, w_stride):
-    """The weights of K block `k`, `[BLOCK_K, BLOCK_N]`."""
+def _gemm_weights(w_ptr, cols, col_ok, k, K, w_stride):
+    """The weights of K block `k` for output columns `cols`, `[BLOCK_K, BLOCK_N]` (`down_silu`'s and `up_mix`'s GEMMs)."""
     return tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
 
 
 @triton.jit
-def _down_silu_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, UPCAST: tl.constexpr):
+def _gemm_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, UPCAST: tl.constexpr):
     """`acc` plus the products over the K block `k` (`w`: its weights)."""
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies bf16 dots wrongly; fp32 holds bf16 values exactly
@@ -164,18 +164,18 @@ def _down_silu_kernel(
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = 0 if UNROLLED_K else split * span  # a split past K (K / SPLIT not a whole block) loads nothing
-    w = _down_silu_weights(w_ptr, cols, col_ok, first + ks, K, w_stride)
+    w = _gemm_weights(w_ptr, cols, col_ok, first + ks, K, w_stride)
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
-    acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, first + ks, K, x_stride, DOT, UPCAST)
+    acc = _gemm_block(acc, x_ptr, w, rows, row_ok, first + ks, K, x_stride, DOT, UPCAST)
     if UNROLLED_K:
         for k0 in tl.static_range(BLOCK_K, UNROLLED_K, BLOCK_K):
-            w = _down_silu_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
-            acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
+            w = _gemm_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
+            acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
     else:
         for k0 in range(first + BLOCK_K, tl.minimum(first + span, K), BLOCK_K):
-            w = _down_silu_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
-            acc = _down_silu_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
+            w = _gemm_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
+            acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
     mask = row_ok[:, None] & col_ok[None, :]
@@ -211,7 +211,7 @@ def _up_mix_kernel(
     rs = tl.arange(0, BLOCK_R)
     row_ok, col_ok = rows < T, cols < H
     mask = row_ok[:, None] & col_ok[None, :]
-    w = _down_silu_weights(w_ptr, cols, col_ok, rs, R, w_stride)
+    w = _gemm_weights(w_ptr, cols, col_ok, rs, R, w_stride)
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
     mix = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
@@ -219,8 +219,8 @@ def _up_mix_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
             if s > 0 or r0 > 0:
-                w = _down_silu_weights(w_ptr, s * H + cols, col_ok, r0 + rs, R, w_stride)
-            acc = _down_silu_block(acc, down_ptr, w, rows, row_ok, r0 + rs, R, down_stride, DOT, UPCAST)
+                w = _gemm_weights(w_ptr, s * H + cols, col_ok, r0 + rs, R, w_stride)
+            acc = _gemm_block(acc, down_ptr, w, rows, row_ok, r0 + rs, R, down_stride, DOT, UPCAST)
         up = acc.to(mixed_ptr.dtype.element_ty)  # the GEMM's output
         gate = tl.sigmoid(up.to(tl.float32)).to(up.dtype).to(tl.float32)
         normed = tl.load(normed_ptr + rows[:, None].to(tl.int64) * HC * H + s * H + cols[None, :], mask=mask, other=0.0)
