@@ -11,14 +11,11 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
 one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
-brings; the kernels use it where the GPU has it, NVIDIA from Hopper); `kernels_fused` (what the model runs at those
-sizes) also does the up GEMM with the gated mix in one launch (`up_mix`; `ratio_up_mix` against
-`kernels_down_silu`). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
+brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
 default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
-sizes against cuBLAS + the silu kernel, the same weights, `gate_mix` over its column block, and `up_mix` over its
-launch configs (`UpMixConfig`) against cuBLAS's up GEMM + `gate_mix`. Reported: µs per
+sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Reported: µs per
 hyper-connection, the ratios torch / kernels, unpadded / padded and cuBLAS + silu / fused, every variant's outputs'
 largest difference from torch's, and the sweep's µs per config with its best. Writes JSON + PNG into `--out`.
 """
@@ -48,8 +45,8 @@ PAD = -(RANK + HC) % 16  # the merged GEMM's rows padded to 16 columns (`model.h
 TORCH = (hc.inject_norm_reference, hc.scaled_silu_reference, hc.gate_mix_reference)
 KERNELS = (hc.inject_norm, hc.scaled_silu, hc.gate_mix)
 OPS = {"torch": (TORCH, PAD), "kernels": (KERNELS, PAD), "kernels_unpadded": (KERNELS, 0), "kernels_down_silu": (KERNELS, PAD),
-       "kernels_down_silu_no_pdl": (KERNELS, PAD), "kernels_fused": (KERNELS, PAD)}  # fmt: skip
-DECODE_ONLY = ("kernels_down_silu", "kernels_down_silu_no_pdl", "kernels_fused")  # up to DOWN_SILU_MAX_TOKENS
+       "kernels_down_silu_no_pdl": (KERNELS, PAD)}  # fmt: skip
+DECODE_ONLY = ("kernels_down_silu", "kernels_down_silu_no_pdl")  # up to DOWN_SILU_MAX_TOKENS
 
 
 def no_pdl(name: str):
@@ -63,8 +60,6 @@ def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
         silu, rest = hc.down_silu(normed, down_w[: RANK + HC + pad], RANK, float(HC), counts)
-        if variant == "kernels_fused":
-            return streams, hc.up_mix(silu, up_w, normed, HC, rest[:, :HC])
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
@@ -153,35 +148,6 @@ def gate_mix_sweep(g: torch.Generator, launches: int = 16) -> dict:
     return out
 
 
-def up_mix_configs(tokens: int) -> list[hc.UpMixConfig]:
-    """Column blocks of the mix (2 560 columns: 160 programs at 16) by rank blocks (320: 128 takes 3 steps, 512 one
-    masked step) and warps; dots need blocks of 16 or more."""
-    if tokens == 1:
-        grid = itertools.product((8, 16, 32, 64), (64, 128, 512), (1, 2, 4))
-    else:
-        grid = itertools.product((16, 32, 64), (32, 64, 128), (4, 8))
-    return [hc.UpMixConfig(block_h=b, block_r=r, num_warps=w) for b, r, w in grid]
-
-
-def up_mix_sweep(weights, g: torch.Generator) -> dict:
-    """µs per `up_mix` per launch config, and cuBLAS's up GEMM + `gate_mix`, per token count, each run going
-    through every weight set."""
-    out = {}
-    for t in SWEEP_TOKENS:
-        down = torch.randn(t, RANK, device="cuda", generator=g).to(torch.bfloat16)
-        normed = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
-        logits = torch.randn(t, HC, device="cuda", generator=g).to(torch.bfloat16)
-        per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, _, w in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
-        row = out[t] = config_row(
-            per, ("cublas_gate_mix", lambda w: hc.gate_mix(F.linear(down, w), normed, HC, logits)), up_mix_configs(t),
-            lambda c: f"h{c.block_h}_r{c.block_r}_w{c.num_warps}",
-            lambda w, c: hc.up_mix(down, w, normed, HC, logits, c or hc.UpMixConfig()),
-        )  # fmt: skip
-        print("up_mix sweep", t, row["best"], f"{row[row['best']]:.2f} us", f"vs cuBLAS + gate_mix {row['best_vs_cublas_gate_mix']:.2f}x "
-              f"(default {row['default_vs_cublas_gate_mix']:.2f}x)", flush=True)  # fmt: skip
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 48, 256, 4096, 16384])
@@ -215,7 +181,6 @@ def main() -> None:
         if "kernels_down_silu" in row:
             row["ratio_down_silu"] = row["kernels"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
             row["ratio_pdl"] = row["kernels_down_silu_no_pdl"]["graph_us"] / row["kernels_down_silu"]["graph_us"]
-            row["ratio_up_mix"] = row["kernels_down_silu"]["graph_us"] / row["kernels_fused"]["graph_us"]
         results[t] = row
         print(t, json.dumps(row), flush=True)
     out = Path(args.out)
@@ -233,7 +198,6 @@ def main() -> None:
     if args.sweep:
         report["down_silu_sweep"] = sweep(weights, g)
         report["gate_mix_sweep"] = gate_mix_sweep(g)
-        report["up_mix_sweep"] = up_mix_sweep(weights, g)
         (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "bench_hyper_connection.png")
 

@@ -6,7 +6,6 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8          our class, INT8 tables in pinned host memory, lookup prefetched on a side stream
   host_int8_serial   the same, `QWEN4_EXP_HCU_PREFETCH=0` (lookup inside the PLE layer)
   host_int8_no_pdl   the same, `QWEN4_EXP_HCU_PDL=0` (hyper-connection kernels without programmatic dependent launch)
-  host_int8_no_up_mix the same, the up GEMM (cuBLAS) and the gated mix as two launches at decode sizes
   gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
   host_fp8           our class, upstream's FP8 table layout (e4m3 rows + one table scale) in pinned host memory
   vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
@@ -69,7 +68,6 @@ VARIANTS = {
     "host_int8": ({}, {}, "int8"),
     "host_int8_serial": ({"QWEN4_EXP_HCU_PREFETCH": "0"}, {}, "int8"),
     "host_int8_no_pdl": ({"QWEN4_EXP_HCU_PDL": "0"}, {}, "int8"),
-    "host_int8_no_up_mix": ({"QWEN4_EXP_HCU_TORCH_OPS": "up_mix"}, {}, "int8"),
     "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),

@@ -156,7 +156,7 @@ def _window_launches(cfg) -> dict[str, Launch]:
 def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     """A decoder layer's and the final mixer's calls at the release's shape, bf16: the injection fused with the
     norm, each alone, the silu over the merged GEMM's column slice, the mix with and without injection weights,
-    the decode GEMMs with their epilogues (down + silu, up + mix) at one token and at 32."""
+    the decode GEMM with its silu at one token and at 32."""
     hc, h, rank, t = cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 3
     streams, weight = torch.zeros(t, hc * h, dtype=torch.bfloat16), torch.zeros(hc * h, dtype=torch.bfloat16)
     pending = (torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, hc, dtype=torch.bfloat16))
@@ -174,12 +174,6 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     for tokens in (1, 32):  # multiply-adds, and dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    up_w = torch.zeros(hc * h, rank, dtype=torch.bfloat16)
-    for tokens in (1, 32):  # the up GEMM with the mix: multiply-adds, dots; with the injection weights and without
-        down, mix_in = torch.zeros(tokens, rank, dtype=torch.bfloat16), torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
-        logits = torch.zeros(tokens, merged.shape[1], dtype=torch.bfloat16)[:, rank : rank + hc]  # the merged GEMM's slice
-        calls[f"up-mix-{tokens}"] = ("_up_mix_kernel", hyper_connection.up_mix, down, up_w, mix_in, hc, logits)
-        calls[f"up-mix-{tokens}-no-weights"] = ("_up_mix_kernel", hyper_connection.up_mix, down, up_w, mix_in, hc)
     unrolled = hyper_connection.DownSiluConfig(split=1, block_n=1, block_k=2048, unroll=True)  # a program per column
     calls["down-silu-1-unrolled"] = ("_down_silu_kernel", hyper_connection.down_silu, normed[:1], down_w, rank, float(hc), counts, unrolled)
     return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}

@@ -94,7 +94,7 @@ def test_scaled_silu_matches_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_logits", [False, True])
-@pytest.mark.parametrize("block", [16, 1024])  # several column blocks per row, and one
+@pytest.mark.parametrize("block", [16, 1024, None])  # several column blocks per row, one, the default
 def test_gate_mix_matches_reference(device, dtype, with_logits, block):
     up, normed = (_randn(T, HC * H, dtype=dtype, seed=seed, device=device) for seed in (7, 8))
     logits = _randn(T, 20 + HC, dtype=dtype, seed=9, scale=4.0, device=device)[:, 20:] if with_logits else None
@@ -196,60 +196,6 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:1], weight, 30, 4.0, counts, hc.DownSiluConfig(unroll=True))
 
 
-def _up_mix_inputs(t, dtype, device, rank=30):
-    """The low-rank mix's input (`down_silu`'s `down`), the up weight over `rank` (not a multiple of the rank
-    block), the normed streams and the injection logits as a column slice of a wider GEMM output."""
-    down = _randn(t, rank, dtype=dtype, seed=t, device=device)
-    weight = _randn(HC * H, rank, dtype=dtype, seed=200 + t, scale=0.2, device=device)
-    logits = _randn(t, HC + 3, dtype=dtype, seed=300 + t, device=device)[:, :HC]
-    return down, weight, _randn(t, HC * H, dtype=dtype, seed=400 + t, device=device), logits
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 5, 17, hc.DOWN_SILU_MAX_TOKENS])  # multiply-adds at one row, dots above
-@pytest.mark.parametrize("with_logits", [False, True])
-def test_up_mix_matches_reference(device, dtype, tokens, with_logits):
-    down, weight, normed, logits = _up_mix_inputs(tokens, dtype, device)
-    args = (down, weight, normed, HC, logits if with_logits else None)
-    _assert_all_close(hc.up_mix(*args), hc.up_mix_reference(*args))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "tokens, config",
-    [pytest.param(1, hc.UpMixConfig(block_h=8, block_r=16, num_warps=1), id="1-narrow"),
-     pytest.param(1, hc.UpMixConfig(block_h=64, block_r=512, num_warps=8), id="1-whole_rank_wide"),
-     pytest.param(17, hc.UpMixConfig(block_h=16, block_r=16), id="17-small_dots"),
-     pytest.param(17, hc.UpMixConfig(block_h=64, block_r=128, num_warps=8), id="17-wide_dots")],
-)  # fmt: skip
-def test_up_mix_launch_configs_agree(device, tokens, config):
-    """Column blocks that do not divide the mix (48 columns), rank blocks smaller and larger than the rank."""
-    down, weight, normed, logits = _up_mix_inputs(tokens, torch.bfloat16, device)
-    got = hc.up_mix(down, weight, normed, HC, logits, config)
-    _assert_all_close(got, hc.up_mix_reference(down, weight, normed, HC, logits))
-
-
-@cpu_only
-def test_the_tolerance_sees_the_up_projection_of_the_wrong_stream():
-    """Each stream's gate must come from its own columns of the up projection: one stream's off by one place
-    fails the comparison."""
-    down, weight, normed, logits = _up_mix_inputs(1, torch.bfloat16, "cpu")
-    shifted = weight.unflatten(0, (HC, H)).roll(1, dims=0).flatten(0, 1)
-    with pytest.raises(AssertionError):
-        _assert_close(hc.up_mix(down, shifted, normed, HC)[0], hc.up_mix_reference(down, weight, normed, HC)[0])
-
-
-def test_up_mix_refuses_what_it_does_not_serve():
-    down, weight, normed, _ = _up_mix_inputs(1, torch.bfloat16, "cpu")
-    with pytest.raises(ValueError, match="33 rows"):
-        hc.up_mix(down.expand(33, -1), weight, normed.expand(33, -1), HC)
-    with pytest.raises(ValueError, match="do not make 4 streams"):
-        hc.up_mix(down, weight[:, :-1], normed, HC)
-    with pytest.raises(ValueError, match="blocks of 16"):
-        hc.up_mix(down.expand(2, -1), weight, normed.expand(2, -1), HC, config=hc.UpMixConfig(block_h=8))
-
-
 @cpu_only
 def test_empty_batches_launch_nothing():
     x = torch.empty(0, HC * H)
@@ -285,15 +231,14 @@ def test_no_dependent_launch_without_the_instructions(monkeypatch):
 
 def _decode_chain(streams, pending, norm_w, down_w, up_w, counts, ops):
     """Two hyper-connections' kernels back to back at one token, as a decode step's graph launches them (each
-    kernel reads what the one before it wrote; the up GEMM and the mix as two launches, then fused): `ops` the
-    kernels or their references."""
-    inject_norm, down_silu, gate_mix, up_mix = ops
+    kernel reads what the one before it wrote): `ops` the kernels or their references."""
+    inject_norm, down_silu, gate_mix = ops
     streams, normed = inject_norm(streams, norm_w, 1e-6, H, *pending)
     silu, rest = down_silu(normed, down_w, 30, float(HC))
     mixed, weights = gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])
     streams, normed = inject_norm(streams, norm_w, 1e-6, H, mixed, weights)
     silu, rest = down_silu(normed, down_w, 30, float(HC))
-    return up_mix(silu, up_w, normed, HC, rest[:, :HC])
+    return gate_mix(torch.nn.functional.linear(silu, up_w), normed, HC, rest[:, :HC])
 
 
 @pytest.mark.gpu
@@ -309,8 +254,8 @@ def test_a_decode_chain_in_a_cuda_graph_matches_its_reference(monkeypatch, pdl):
     norm_w = _randn(HC * H, dtype=dt, seed=3, scale=0.1, device=dev)
     down_w, up_w = _randn(40, HC * H, dtype=dt, seed=4, scale=0.05, device=dev), _randn(HC * H, 30, dtype=dt, seed=5, scale=0.2, device=dev)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)
-    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix, hc.up_mix)
-    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference, hc.up_mix_reference)
+    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix)
+    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference)
     args = (streams, pending, norm_w, down_w, up_w, counts)
     _decode_chain(*args, kernels)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -366,8 +311,7 @@ def test_gated_residual_runs_the_kernels_as_its_reference(tiny_model, monkeypatc
 @pytest.mark.vllm
 @pytest.mark.parametrize("tokens", [1, 5])  # multiply-adds, dots
 def test_gated_residual_fused_at_decode_sizes_as_unfused(vllm_process, tiny, monkeypatch, tokens):
-    """The model's decode path on an accelerator (the down GEMM with its silu, the up GEMM with the mix: one
-    launch each) gives what its GEMM-library path gives, on the checkpoint's own weights: a decoder layer's
+    """The model's decode path on an accelerator (the down GEMM with its silu in one launch) gives what its GEMM-library path gives, on the checkpoint's own weights: a decoder layer's
     hyper-connection with a pending injection and the final mixer. Run on the CPU with the fusion forced and the
     kernels under the interpreter, on the weights as loaded (vLLM's CPU GEMMs repack them; torch's GEMM here, as
     an accelerator's unquantized linears run)."""
@@ -388,12 +332,11 @@ def test_gated_residual_fused_at_decode_sizes_as_unfused(vllm_process, tiny, mon
     monkeypatch.setattr(module, "dispatch", lambda launcher, reference, *args, **kwargs: launcher(*args, **kwargs))
     unfused = run()
     calls = []
-    for name in ("down_silu", "up_mix"):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, **kw: calls.append(kernel.__name__) or kernel(*a, **kw))
-    monkeypatch.setattr(module.GatedResidual, "_fused", staticmethod(lambda normed, kernel: True))
+    kernel = module.down_silu
+    monkeypatch.setattr(module, "down_silu", lambda *a, **kw: calls.append("down_silu") or kernel(*a, **kw))
+    monkeypatch.setattr(module.GatedResidual, "_fuse_down", staticmethod(lambda normed: True))
     _assert_all_close(run(), unfused)
-    assert calls == ["down_silu", "up_mix"] * 2  # the layer's hyper-connection, then the mixer
+    assert calls == ["down_silu"] * 2  # the layer's hyper-connection, then the mixer
 
 
 ALLOCATIONS_AND_VIEWS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
@@ -451,11 +394,10 @@ def test_the_merged_gemm_writes_aligned_rows(tiny_model):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("kernel", ["down_silu", "up_mix"])
-def test_the_model_fuses_its_gemms_at_decode_sizes_on_an_accelerator(monkeypatch, kernel):
-    """Which batches take `down_silu` and `up_mix`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager
-    or in a CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
-    `QWEN4_EXP_HCU_TORCH_OPS` names the kernel (the other one stays fused)."""
+def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeypatch):
+    """Which batches take `down_silu`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
+    CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
+    `QWEN4_EXP_HCU_TORCH_OPS` names it."""
     from types import SimpleNamespace
 
     from vllm import envs
@@ -463,7 +405,7 @@ def test_the_model_fuses_its_gemms_at_decode_sizes_on_an_accelerator(monkeypatch
     from qwen4_exp_hcu.model.hyper_connection import GatedResidual
 
     def fused(tokens, device="cuda"):
-        return GatedResidual._fused(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)), kernel)
+        return GatedResidual._fuse_down(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)))
 
     assert [fused(t) for t in (0, 1, hc.DOWN_SILU_MAX_TOKENS, hc.DOWN_SILU_MAX_TOKENS + 1)] == [False, True, True, False]
     assert not fused(1, "cpu")
@@ -473,7 +415,5 @@ def test_the_model_fuses_its_gemms_at_decode_sizes_on_an_accelerator(monkeypatch
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not fused(1)
     monkeypatch.undo()
-    monkeypatch.setenv("QWEN4_EXP_HCU_TORCH_OPS", kernel)
+    monkeypatch.setenv("QWEN4_EXP_HCU_TORCH_OPS", "down_silu")
     assert not fused(1)
-    other = "up_mix" if kernel == "down_silu" else "down_silu"
-    assert GatedResidual._fused(SimpleNamespace(device=torch.device("cuda"), shape=(1, 8)), other)

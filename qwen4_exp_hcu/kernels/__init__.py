@@ -12,8 +12,7 @@ import torch
 from qwen4_exp_hcu.env import TORCH_OPS_ENV
 
 SWAPPABLE = frozenset(
-    {"down_silu", "gate_mix", "inject_norm", "ngram_hash", "ple_gate", "scaled_silu", "short_conv", "store_window",
-     "up_mix"}
+    {"down_silu", "gate_mix", "inject_norm", "ngram_hash", "ple_gate", "scaled_silu", "short_conv", "store_window"}
 )
 """The kernels `QWEN4_EXP_HCU_TORCH_OPS` may swap for their torch references on an accelerator. Not the table
 gather: its reference would index a host table from the GPU."""

@@ -1,4 +1,4 @@
-"""Hyper-connection glue in three Triton kernels, and two that fuse it with the GEMMs at decode sizes: without
+"""Hyper-connection glue in three Triton kernels, and one that fuses it with a GEMM at decode sizes: without
 torch.compile (vLLM's default for Qwen4Exp: breakable graphs) each torch op of the grouped norm, the gated mix and
 the stream injection is a kernel of its own, about twenty per hyper-connection; in a CUDA graph at small batches
 their launches, not their bytes, set the time. On NVIDIA from Hopper they launch as programmatic dependents.
@@ -9,8 +9,8 @@ their launches, not their bytes, set the time. On NVIDIA from Hopper they launch
 * `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights);
 * `down_silu`: at a few tokens (decode), the merged down + injection GEMM with `scaled_silu` on its down columns,
   one launch where cuBLAS took a split-K GEMM, its reduction and the silu (vLLM's class fuses the same with a
-  CuTe DSL kernel, NVIDIA only);
-* `up_mix`: at the same sizes, the up GEMM with `gate_mix` as its epilogue (vLLM's class runs them as two).
+  CuTe DSL kernel, NVIDIA only). The up GEMM with `gate_mix` as its epilogue lost to cuBLAS + `gate_mix` at every
+  decode size on the H200 (0.65-0.99x, docs/PERFORMANCE.md): the up GEMM stays the GEMM library's.
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
 Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt
@@ -125,7 +125,7 @@ def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale
 
 @triton.jit
 def _gemm_weights(w_ptr, cols, col_ok, k, K, w_stride):
-    """The weights of K block `k` for output columns `cols`, `[BLOCK_K, BLOCK_N]` (`down_silu`'s and `up_mix`'s GEMMs)."""
+    """The weights of K block `k` for output columns `cols`, `[BLOCK_K, BLOCK_N]` (`down_silu`'s GEMM)."""
     return tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
 
 
@@ -192,45 +192,6 @@ def _down_silu_kernel(
                 total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
             _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-
-
-@triton.jit(do_not_specialize=["T"])
-def _up_mix_kernel(
-    down_ptr, w_ptr, normed_ptr, logits_ptr, mixed_ptr, weights_ptr, T, H, R, down_stride, w_stride, logits_stride,
-    HC: tl.constexpr, HC_P2: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, launch_pdl: tl.constexpr,
-):  # fmt: skip
-    """Program (column block of the mix, row block): per stream s, the up GEMM's columns `s * H + cols` over the
-    low rank R, rounded as the GEMM's output, then `gate_mix`'s epilogue on them (sigmoid gate times the stream's
-    normed values, the streams' mean), so the up projection never goes through memory. Column block 0 also
-    writes the injection weights. The first stream's first rank block of weights loads before the wait for the
-    previous kernel (`launch_pdl`)."""
-    pid_h, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    rs = tl.arange(0, BLOCK_R)
-    row_ok, col_ok = rows < T, cols < H
-    mask = row_ok[:, None] & col_ok[None, :]
-    w = _gemm_weights(w_ptr, cols, col_ok, rs, R, w_stride)
-    if launch_pdl:
-        tl.extra.cuda.gdc_wait()
-    mix = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for s in tl.static_range(HC):
-        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            if s > 0 or r0 > 0:
-                w = _gemm_weights(w_ptr, s * H + cols, col_ok, r0 + rs, R, w_stride)
-            acc = _gemm_block(acc, down_ptr, w, rows, row_ok, r0 + rs, R, down_stride, DOT, UPCAST)
-        up = acc.to(mixed_ptr.dtype.element_ty)  # the GEMM's output
-        gate = tl.sigmoid(up.to(tl.float32)).to(up.dtype).to(tl.float32)
-        normed = tl.load(normed_ptr + rows[:, None].to(tl.int64) * HC * H + s * H + cols[None, :], mask=mask, other=0.0)
-        mix += (gate * normed.to(tl.float32)).to(up.dtype).to(tl.float32)
-    if launch_pdl:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.store(mixed_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], (mix / HC).to(mixed_ptr.dtype.element_ty), mask=mask)
-    if WEIGHTS:
-        if pid_h == 0:
-            _injection_weights(logits_ptr, weights_ptr, rows, row_ok, logits_stride, HC, HC_P2)
 
 
 def launch_pdl(t: torch.Tensor) -> bool:
@@ -317,10 +278,14 @@ def gate_mix_reference(
 
 
 def gate_mix(
-    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None, block: int = 128
+    up: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None, block: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gate_mix_reference` in one launch: a program per row and `block` columns (None: 128 up to 4 rows, 512
+    above; the H200 sweep's best with dependent launch, 1.06 against 1.16 us at one row, 1.39 against 1.90 at 32:
+    benchmarks/results/hyper_connection)."""
     up, normed = up.contiguous(), normed.contiguous()
     rows, h = up.numel() // up.shape[-1], up.shape[-1] // hc
+    block = block or (128 if rows <= 4 else 512)
     mixed = up.new_empty(*up.shape[:-1], h)
     if logits is not None and logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -336,8 +301,8 @@ def gate_mix(
 
 
 # above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
-# own weights (from HBM, as in serving), DownSiluConfig's defaults: 1.67x / 1.38x / 1.38x / 1.27x at 1 / 4 / 16 / 32
-# tokens (benchmarks/results/hyper_connection); in serving, 560 against 802 us per 48-layer step at one token
+# own weights (from HBM, as in serving), DownSiluConfig's defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
+# at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without; benchmarks/results/hyper_connection); in serving, 560 against 802 us per 48-layer step at one token
 DOWN_SILU_MAX_TOKENS = 32
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
@@ -347,8 +312,8 @@ class DownSiluConfig:
     """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
     (None: 256 with `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights
-    beyond L2 (1 token: 1.67x cuBLAS + silu; 4 / 16 / 32 tokens: 1.38x / 1.38x / 1.27x;
-    benchmarks/results/hyper_connection)."""
+    beyond L2 (session 13); session 14's sweep put them within 8 % of its best at every size
+    (benchmarks/results/hyper_connection)."""
 
     split: int = 10
     block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
@@ -395,54 +360,3 @@ def down_silu(
         UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
-
-
-@dataclass(frozen=True)
-class UpMixConfig:
-    """`up_mix`'s launch: programs = column blocks of the mix (`block_h` columns) x row blocks, each stepping
-    through the rank `block_r` at a time. None: by rows (one row: multiply-adds; more: `tl.dot`, 16 columns or
-    more). Not yet measured: `benchmarks/bench_hyper_connection.py --sweep` times the candidates."""
-
-    block_h: int | None = None  # None: 16 at one row, 32 with `tl.dot`
-    block_r: int | None = None  # None: 128 at one row, 64 with `tl.dot`
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
-
-
-def up_mix_reference(
-    down: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`gate_mix_reference` of the up projection `down @ weight.T`."""
-    return gate_mix_reference(torch.nn.functional.linear(down, weight), normed, hc, logits)
-
-
-def up_mix(
-    down: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor, hc: int, logits: torch.Tensor | None = None,
-    config: UpMixConfig = UpMixConfig(),
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """`up_mix_reference` in one launch for 1..DOWN_SILU_MAX_TOKENS rows, where the GEMM library's up GEMM and
-    `gate_mix` took two (the decode sizes `down_silu` serves; its `down` output is this one's input)."""
-    (t, r), (n, r_w) = down.shape, weight.shape
-    if not 1 <= t <= DOWN_SILU_MAX_TOKENS:
-        raise ValueError(f"up_mix: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
-    if r_w != r or n % hc or normed.shape != (t, n):
-        raise ValueError(f"up_mix: down {tuple(down.shape)}, weight {tuple(weight.shape)} and normed "
-                         f"{tuple(normed.shape)} do not make {hc} streams of one projection")  # fmt: skip
-    down, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (down, weight))
-    normed = normed.contiguous()
-    if logits is not None and logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    h, dot = n // hc, t > 1
-    block_m = max(16 if dot else 1, triton.next_power_of_2(t))
-    block_h, block_r = config.block_h or (32 if dot else 16), config.block_r or (64 if dot else 128)
-    if dot and (block_h < 16 or block_r < 16):
-        raise ValueError(f"up_mix: {t} rows take tl.dot, which needs blocks of 16 or more, got {block_h} x {block_r}")
-    mixed = normed.new_empty(t, h)
-    weights = None if logits is None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _up_mix_kernel[(triton.cdiv(h, block_h), triton.cdiv(t, block_m))](
-        down, weight, normed, mixed if logits is None else logits, mixed, mixed if weights is None else weights,
-        t, h, r, down.stride(0), weight.stride(0), 0 if logits is None else logits.stride(0),
-        HC=hc, HC_P2=triton.next_power_of_2(hc), WEIGHTS=logits is not None, BLOCK_M=block_m, BLOCK_H=block_h,
-        BLOCK_R=block_r, DOT=dot, UPCAST=down.device.type == "cpu", num_warps=config.num_warps or (4 if dot else 2),
-        launch_pdl=launch_pdl(down),
-    )  # fmt: skip
-    return mixed, weights

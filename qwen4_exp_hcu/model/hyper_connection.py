@@ -5,7 +5,7 @@ gated low-rank mix collapses the (normalised) streams into the block input; afte
 output is injected back into every stream with a per-stream weight `2 * sigmoid(.)`.
 The matrices are tiny (rank `hc_lowrank`), so they are replicated across TP ranks. The glue between
 them runs as three kernels (`kernels.hyper_connection`); the previous block's injection is fused
-with the streams' norm, and at decode sizes the down GEMM with its silu and the up GEMM with the mix.
+with the streams' norm, and at decode sizes the down GEMM with its silu.
 """
 
 import torch
@@ -24,7 +24,6 @@ from qwen4_exp_hcu.kernels.hyper_connection import (
     inject_norm_reference,
     scaled_silu,
     scaled_silu_reference,
-    up_mix,
 )
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
@@ -70,29 +69,25 @@ class GatedResidual(nn.Module):
                                    norm.group_size, block_out, weights)  # fmt: skip
         # the one GEMM's output: down (through the silu), then logits and padding, read in place by the mix
         linear, rank, scale = self.input_mix_weight_down_block_inject, self.sizes[0], float(self.hc_count)
-        if self._fused(normed, "down_silu"):
+        if self._fuse_down(normed):
             down, rest = down_silu(normed, linear.weight, rank, scale, self.down_silu_counts)
         else:
             merged = linear(normed)
             down, rest = dispatch(scaled_silu, scaled_silu_reference, merged[:, :rank], scale), merged[:, rank:]
         logits = rest[:, : self.hc_count] if self.use_combine else None
-        if self._fused(normed, "up_mix"):
-            mixed, weights = up_mix(down, self.input_mix_weight_up.weight, normed, self.hc_count, logits)
-        else:
-            up = self.input_mix_weight_up(down)
-            mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
+        up = self.input_mix_weight_up(down)
+        mixed, weights = dispatch(gate_mix, gate_mix_reference, up, normed, self.hc_count, logits)
         return mixed if logits is None else (streams, mixed, weights)
 
     @staticmethod
-    def _fused(normed: torch.Tensor, kernel: str) -> bool:
-        """Decode sizes on an accelerator, eagerly or in a CUDA graph: a GEMM and its epilogue in one launch
-        (`kernel`: `down_silu`, `up_mix`). Not on the CPU (vLLM repacks the weights for its own GEMMs there), not
-        under torch.compile (Inductor fuses the references; no guard on the batch size), not in vLLM's
-        batch-invariant mode (the kernels' sum order changes with the batch), nor where `QWEN4_EXP_HCU_TORCH_OPS`
-        names the kernel."""
+    def _fuse_down(normed: torch.Tensor) -> bool:
+        """Decode sizes on an accelerator, eagerly or in a CUDA graph: the GEMM and the silu in one launch. Not on
+        the CPU (vLLM repacks the weight for its own GEMM there), not under torch.compile (Inductor fuses the
+        references; no guard on the batch size), not in vLLM's batch-invariant mode (the kernel's sum order
+        changes with the batch), nor where `QWEN4_EXP_HCU_TORCH_OPS` names it."""
         if torch.compiler.is_compiling() or normed.device.type != "cuda" or envs.VLLM_BATCH_INVARIANT:
             return False
-        if kernel in torch_ops():
+        if "down_silu" in torch_ops():
             return False  # its torch reference is the GEMM library's path
         return 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS
 
