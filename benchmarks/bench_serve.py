@@ -21,8 +21,10 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      (`ple.file_rows`; no full graphs: an unset cudagraph_mode becomes PIECEWISE)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
                      one graph, which the file tier's figures include and this variant separates out
-Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt: the time of 64 new tokens minus that of 16,
-so a request's fixed cost cancels; that cost, beyond prefill and its steps, is reported as `decode_fixed_ms`),
+Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt, 64 new tokens, from the engine's own token
+timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
+enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
+wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`),
 prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and what the
 CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
 the GPU holds no copy of a host table).
@@ -59,6 +61,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -118,7 +121,7 @@ def release_model(table_gb: float) -> dict:
     )}  # fmt: skip
 
 
-DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, (16, 64)  # decode: the slope between the two lengths
+DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
 PREFILL_LENGTHS = (4096, 16384)
 MAX_MODEL_LEN = 20480
 REPEATS = 3
@@ -151,15 +154,19 @@ def tensor_bytes(model) -> dict:
             "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
 
 
-def decode_fit(prefill_only: float, short: float, long: float) -> tuple[float, float]:
-    """(seconds per decode step, a request's fixed seconds beyond its prefill and steps) from the wall times of
-    a prefill-only request and of DECODE_TOKENS' two lengths. The fixed part (measured on the H200: ~170 ms at one
-    sequence, varying run to run) had made 64 tokens minus the prefill swing a class's tokens/s by up to 10 %. The
-    fixed part comes out negative where later steps cost more than the first 16 (attention over a longer context
-    at large batches: -120 ms at 256 sequences)."""
-    (n_short, n_long) = DECODE_TOKENS
-    step = (long - short) / (n_long - n_short)
-    return step, (short - prefill_only - n_short * step) * 1e3
+def decode_step(outputs) -> float:
+    """Seconds per new token of a sequence (a decode step, without speculation) in one `generate` call, from the
+    engine core's timestamps of each request's first and last token (`RequestOutput.metrics`, recorded with log
+    stats on): the median over requests. Wall clock around
+    the call also held a request's fixed cost (measured on the H200: ~170 ms at one sequence, varying run to run),
+    which swung a class's tokens/s by up to 10 %, and a slope between two lengths (session 14) by up to 6 %."""
+    steps = []
+    for o in outputs:
+        m = o.metrics
+        if m is None or m.num_generation_tokens < 2:
+            raise ValueError(f"request {o.request_id}: no token timestamps (log stats off, or fewer than 2 tokens)")
+        steps.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+    return statistics.median(steps)
 
 
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
@@ -190,7 +197,7 @@ def decode_gaps(gaps: list[tuple[float, float, str, str]], short_span: float) ->
 
 def profile_decode(llm, prompts, top: int = 12) -> dict:
     """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (the difference between
-    requests of PROFILE_TOKENS and twice as many new tokens, so a request's fixed cost cancels, as in `decode_fit`),
+    requests of PROFILE_TOKENS and twice as many new tokens, so a request's fixed cost cancels),
     the kernels taking the most time, and those launched most often (what a class with more launches per step
     launches more of). GPU-active time (any stream running) splits wall - busy into idle GPU (wall - active) and
     overlap across streams (busy - active); the idle gaps say where the GPU waits (between steps: the host's
@@ -266,34 +273,38 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
         os._exit(0)
     gen = torch.Generator().manual_seed(0)
 
-    def timed(prompts, max_tokens, repeats=REPEATS):
-        """Median wall time of `repeats` runs."""
+    def timed(prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None]:
+        """Median wall time of `repeats` runs, and their median seconds per decode step (`decode_step`; None for
+        one-token requests)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        times = []
+        times, steps = [], []
         for _ in range(repeats):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 2]
+            steps.append(decode_step(outputs) if max_tokens > 1 else None)
+        return statistics.median(times), None if max_tokens == 1 else statistics.median(steps)
 
     results = {}
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
         prompt = prompt_source(kind, vocab_size, gen)
-        decode, fixed, profiles = {}, {}, {}
+        decode, wall_rate, fixed, profiles = {}, {}, {}, {}
         for b in DECODE_BATCHES:
             prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
-            timed(prompts, 1 + DECODE_TOKENS[-1], repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-            step, fixed[b] = decode_fit(timed(prompts, 1), *(timed(prompts, 1 + n) for n in DECODE_TOKENS))
-            decode[b] = b / step
+            timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
+            prefill_only, _ = timed(prompts, 1)
+            wall, step = timed(prompts, 1 + DECODE_TOKENS)
+            decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
+            fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
             if args.profile:
                 profiles[b] = profile_decode(llm, prompts)
         prefill = {}
         for n in PREFILL_LENGTHS:
             timed([prompt(n)], 1, repeats=1)  # warm-up
-            prefill[n] = n / timed([prompt(n)], 1)
+            prefill[n] = n / timed([prompt(n)], 1)[0]
         results[kind] = {
-            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill,
+            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill,
             "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
             **spec_decode_counters(llm),
             **({"decode_profile": profiles} if args.profile else {}),
