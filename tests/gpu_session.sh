@@ -42,7 +42,7 @@ model = {**b.release_model(13.0), **b.depth(48), "indexer_budget": 2048}
 print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13gb-48layers-budget2048")), model,
                           set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
-  ;;
+         sync ;;  # the tens of GB just written flush now, not under the first engine's timings
   serve) python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
