@@ -174,8 +174,6 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     for tokens in (1, 32):  # multiply-adds, and dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    unrolled = hyper_connection.DownSiluConfig(split=1, block_n=1, block_k=2048, unroll=True)  # a program per column
-    calls["down-silu-1-unrolled"] = ("_down_silu_kernel", hyper_connection.down_silu, normed[:1], down_w, rank, float(hc), counts, unrolled)
     return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
 
 

@@ -128,8 +128,7 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024), id="1-whole_rows")]
     + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2), id="1-two_columns_two_warps")]
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024), id="1-a_column_per_program")]
-    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
-    + [pytest.param(t, hc.DownSiluConfig(split=1, block_n=n, block_k=256, unroll=True), id=f"{t}-unrolled") for t, n in ((1, 1), (5, 16))],
+    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
@@ -149,16 +148,15 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     split=st.sampled_from([1, 2, 3, 7]),
     block_n=st.sampled_from([1, 2, 4, 16, 32]),
     block_k=st.sampled_from([16, 64, 256]),
-    unroll=st.booleans(),
 )
-def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, unroll):
+def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k):
     """Every launch the sweep could pick, on shapes no block divides: K spans ending mid-block, splits with nothing
-    to add, a program per column, unrolled K loops; the counters end at zero."""
-    assume((tokens == 1 or block_n >= 16) and (split == 1 or not unroll))
+    to add, a program per column; the counters end at zero."""
+    assume(tokens == 1 or block_n >= 16)
     x = _randn(tokens, k, dtype=torch.float32, seed=k)
     weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32)
-    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, unroll=unroll)
+    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k)
     _assert_all_close(hc.down_silu(x, weight, 30, 4.0, counts, config), hc.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
@@ -192,8 +190,6 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:1], weight, 30, 4.0, counts[:2])
     with pytest.raises(ValueError, match="blocks of 16 columns"):
         hc.down_silu(x[:2], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
-    with pytest.raises(ValueError, match="unrolled K loop is one split's"):
-        hc.down_silu(x[:1], weight, 30, 4.0, counts, hc.DownSiluConfig(unroll=True))
 
 
 @cpu_only

@@ -33,9 +33,10 @@ def draft_model(path):
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    config = engine_config(path, speculative_config=SPECULATIVE)
+    # float32 in the config too: vLLM picks kernels by it (on a CPU with AMX, bf16's MoE kernel aborts on fp32 weights)
+    config = engine_config(path, speculative_config=SPECULATIVE, dtype="float32")
     draft_config = config.speculative_config.draft_model_config
-    with set_current_vllm_config(config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+    with set_current_vllm_config(config), set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
         model = initialize_model(vllm_config=config, model_config=draft_config)
         loaded = model.load_weights(iter(load_file(path / "model.safetensors").items()))
         process_weights_after_loading(model, draft_config, torch.device("cpu"))

@@ -146,14 +146,14 @@ def _gemm_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, 
 def _down_silu_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr, UNROLLED_K: tl.constexpr, launch_pdl: tl.constexpr,
+    UPCAST: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
     `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
-    CuTe kernel's scheme: a program per column reading its whole weight row). UNROLLED_K (one split): K as a
-    constant, its loop unrolled so that every K block's loads can be in flight at once. The first K block's weights
+    CuTe kernel's scheme: a program per column reading its whole weight row; K's loop unrolled as a constant lost by
+    24 %, so it went). The first K block's weights
     load before the wait for the previous kernel (`launch_pdl`): they are parameters, not its output, so with 10
     splits of one K block at one token, all of a launch's weight reads overlap the kernel before it."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -163,19 +163,14 @@ def _down_silu_kernel(
     row_ok, col_ok = rows < T, cols < N
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = 0 if UNROLLED_K else split * span  # a split past K (K / SPLIT not a whole block) loads nothing
+    first = split * span  # a split past K (K / SPLIT not a whole block) loads nothing
     w = _gemm_weights(w_ptr, cols, col_ok, first + ks, K, w_stride)
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
     acc = _gemm_block(acc, x_ptr, w, rows, row_ok, first + ks, K, x_stride, DOT, UPCAST)
-    if UNROLLED_K:
-        for k0 in tl.static_range(BLOCK_K, UNROLLED_K, BLOCK_K):
-            w = _gemm_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
-            acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
-    else:
-        for k0 in range(first + BLOCK_K, tl.minimum(first + span, K), BLOCK_K):
-            w = _gemm_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
-            acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
+    for k0 in range(first + BLOCK_K, tl.minimum(first + span, K), BLOCK_K):
+        w = _gemm_weights(w_ptr, cols, col_ok, k0 + ks, K, w_stride)
+        acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
     mask = row_ok[:, None] & col_ok[None, :]
@@ -319,7 +314,6 @@ class DownSiluConfig:
     block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
     num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
-    unroll: bool = False  # one split only: K becomes a compile-time constant (a kernel per K), its loop unrolled
 
 
 def down_silu_reference(
@@ -347,8 +341,6 @@ def down_silu(
     if dot and block_n < 16:
         raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
     block_k = config.block_k or (256 if dot else 1024)
-    if config.unroll and config.split != 1:
-        raise ValueError(f"down_silu: an unrolled K loop is one split's, got split={config.split}")
     grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
     if grid[2] > 1 and counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
@@ -357,6 +349,6 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        UNROLLED_K=k if config.unroll else 0, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
+        num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
