@@ -196,9 +196,10 @@ def decode_gaps(gaps: list[tuple[float, float, str, str]], short_span: float) ->
 
 
 def profile_decode(llm, prompts, top: int = 12) -> dict:
-    """Wall vs GPU-busy time and GPU events per decode step over PROFILE_TOKENS steps (the difference between
-    requests of PROFILE_TOKENS and twice as many new tokens, so a request's fixed cost cancels),
-    the kernels taking the most time, and those launched most often (what a class with more launches per step
+    """Wall time per decode step (the engine's token timestamps, `decode_step`, of the profiled run) vs GPU-busy
+    time and GPU events per decode step over PROFILE_TOKENS steps (the difference between requests of
+    PROFILE_TOKENS and twice as many new tokens, so a request's prefill and fixed cost cancel), the kernels taking
+    the most time, and those launched most often (what a class with more launches per step
     launches more of). GPU-active time (any stream running) splits wall - busy into idle GPU (wall - active) and
     overlap across streams (busy - active); the idle gaps say where the GPU waits (between steps: the host's
     step preparation; inside one: a sync)."""
@@ -209,27 +210,23 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
     def run(max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         kernels = {}  # name -> [us, events]
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 entry = kernels.setdefault(e.key, [0.0, 0])
                 entry[0] += e.self_device_time_total
                 entry[1] += e.count
-        return wall, kernels, _timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+        return decode_step(outputs), kernels, _timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
-    wall1, k1, (active1, streams1, _, span1) = run(1 + PROFILE_TOKENS)
-    wall, k, (active, streams, gaps, _) = run(1 + 2 * PROFILE_TOKENS)
+    _, k1, (active1, streams1, _, span1) = run(1 + PROFILE_TOKENS)
+    step, k, (active, streams, gaps, _) = run(1 + 2 * PROFILE_TOKENS)
     waits = decode_gaps(gaps, span1)
     # per decode step: (us, events)
     decode = {name: ((t - k1.get(name, (0.0, 0))[0]) / PROFILE_TOKENS, (c - k1.get(name, (0.0, 0))[1]) / PROFILE_TOKENS)
               for name, (t, c) in k.items()}  # fmt: skip
     return {
-        "wall_us_per_step": (wall - wall1) * 1e6 / PROFILE_TOKENS,
+        "wall_us_per_step": step * 1e6,  # the engine's token timestamps, as the decode rates (profiled)
         "gpu_busy_us_per_step": sum(us for us, _ in decode.values()),
         "gpu_active_us_per_step": (active - active1) / PROFILE_TOKENS,
         "busy_us_per_step_by_stream": {s: (us - streams1.get(s, 0.0)) / PROFILE_TOKENS for s, us in streams.items()},
