@@ -11,8 +11,8 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
 one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
-brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights` hyper-connections with weights of their own (16 by
-default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
+brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
+hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
 weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Reported: µs per
@@ -73,8 +73,7 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle); 1 split reads whole rows, also with 1-2 columns per program (vLLM's CuTe kernel: a
     program per column) in K blocks of 2 048 or all of K at once (K's loop unrolled lost by 24 % in sessions 13 and
-    14, and went). More tokens
-    (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8 lost everywhere)."""
+    14, and went). More tokens (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8 lost everywhere)."""
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         whole = itertools.product((1, 2), (1,), (2048, triton.next_power_of_2(HC * HIDDEN)), (4, 8))

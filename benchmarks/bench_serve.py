@@ -157,9 +157,9 @@ def tensor_bytes(model) -> dict:
 def decode_step(outputs) -> float:
     """Seconds per new token of a sequence (a decode step, without speculation) in one `generate` call, from the
     engine core's timestamps of each request's first and last token (`RequestOutput.metrics`, recorded with log
-    stats on): the median over requests. Wall clock around
-    the call also held a request's fixed cost (measured on the H200: ~170 ms at one sequence, varying run to run),
-    which swung a class's tokens/s by up to 10 %, and a slope between two lengths (session 14) by up to 6 %."""
+    stats on): the median over requests. Wall clock around the call also held a request's fixed cost (measured on
+    the H200: ~170 ms at one sequence, varying run to run), which swung a class's tokens/s by up to 10 %, and a
+    slope between two lengths (session 14) by up to 6 %."""
     steps = []
     for o in outputs:
         m = o.metrics
@@ -280,8 +280,9 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
             t = time.perf_counter()
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             times.append(time.perf_counter() - t)
-            steps.append(decode_step(outputs) if max_tokens > 1 else None)
-        return statistics.median(times), None if max_tokens == 1 else statistics.median(steps)
+            if max_tokens > 1:
+                steps.append(decode_step(outputs))
+        return statistics.median(times), statistics.median(steps) if steps else None
 
     results = {}
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)

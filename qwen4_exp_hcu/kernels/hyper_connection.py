@@ -153,9 +153,9 @@ def _down_silu_kernel(
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
     `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
     CuTe kernel's scheme: a program per column reading its whole weight row; K's loop unrolled as a constant lost by
-    24 %, so it went). The first K block's weights
-    load before the wait for the previous kernel (`launch_pdl`): they are parameters, not its output, so with 10
-    splits of one K block at one token, all of a launch's weight reads overlap the kernel before it."""
+    24 %, so it went). The first K block's weights load before the wait for the previous kernel (`launch_pdl`):
+    they are parameters, not its output, so with 10 splits of one K block at one token, all of a launch's weight
+    reads overlap the kernel before it."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
