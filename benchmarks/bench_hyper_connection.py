@@ -12,8 +12,9 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
 one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
-hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's 97 hyper-connections read theirs from HBM; 1: one
-weight set replayed from L2, how this benchmark ran until 2026-12-02), reported per hyper-connection.
+hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's
+97 hyper-connections read theirs from HBM; 1: one weight set replayed from L2, how this benchmark ran until
+2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Reported: µs per
 hyper-connection, the ratios torch / kernels, unpadded / padded and cuBLAS + silu / fused, every variant's outputs'
