@@ -46,7 +46,7 @@ class GatedResidual(nn.Module):
         self.sizes = [config.hc_lowrank] + [self.hc_count] * use_combine
         # its output rows padded to 16 columns, as vLLM's class pads them: for the release's 320 + 4 bf16 (648 B)
         # cuBLAS took align-2 kernels, 2.2x slower than vLLM's class at b = 256 on the H200. The padding's weight
-        # rows are zeros, never loaded.
+        # rows are zeros, which `down_silu` does not read (as vLLM's CuTe kernel skips them).
         pad = -sum(self.sizes) % 16
         self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(
             hc_hidden, self.sizes + [pad] * (pad > 0), bias=False, disable_tp=True, return_bias=False,
@@ -70,7 +70,7 @@ class GatedResidual(nn.Module):
         # the one GEMM's output: down (through the silu), then logits and padding, read in place by the mix
         linear, rank, scale = self.input_mix_weight_down_block_inject, self.sizes[0], float(self.hc_count)
         if self._fuse_down(normed):
-            down, rest = down_silu(normed, linear.weight, rank, scale, self.down_silu_counts)
+            down, rest = down_silu(normed, linear.weight[: sum(self.sizes)], rank, scale, self.down_silu_counts)
         else:
             merged = linear(normed)
             down, rest = dispatch(scaled_silu, scaled_silu_reference, merged[:, :rank], scale), merged[:, rank:]
