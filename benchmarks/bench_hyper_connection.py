@@ -10,13 +10,15 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 `F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
 `kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
-one Triton launch; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
+one Triton launch, over the 324 rows that are not padding; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
 hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's
 97 hyper-connections read theirs from HBM; 1: one weight set replayed from L2, how this benchmark ran until
 2026-12-02), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
-sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Reported: µs per
+sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
+NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
+(`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Reported: µs per
 hyper-connection, the ratios torch / kernels, unpadded / padded and cuBLAS + silu / fused, every variant's outputs'
 largest difference from torch's, and the sweep's µs per config with its best. Writes JSON + PNG into `--out`.
 """
@@ -60,7 +62,7 @@ def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
-        silu, rest = hc.down_silu(normed, down_w[: RANK + HC + pad], RANK, float(HC), counts)
+        silu, rest = hc.down_silu(normed, down_w[: RANK + HC], RANK, float(HC), counts)  # as the model: no padding
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
@@ -108,10 +110,22 @@ def config_row(per, baseline: tuple, configs: list, label, launch) -> dict:
     return row
 
 
+def vllm_down_silu():
+    """vLLM 0.33's class's fused down GEMM + silu (NVIDIA's CuTe DSL: `fma` up to 4 rows, split-K `mma` above), or
+    None where vLLM or the DSL is missing."""
+    try:
+        import cutlass  # noqa: F401  the DSL, which vLLM's module imports only when it compiles
+        from vllm.models.qwen4_exp.nvidia.ops.cute_dsl.hc_down_silu import hc_down_silu
+    except ImportError:
+        return None
+    return hc_down_silu
+
+
 def sweep(weights, g: torch.Generator) -> dict:
     """µs per `down_silu` (the GEMM and the silu alone) per launch config, and cuBLAS + the silu kernel, per token
-    count, each run going through every weight set."""
+    count, each run going through every weight set; and vLLM's class's kernel where it is installed."""
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device="cuda")
+    cute = vllm_down_silu()
     out = {}
     for t in SWEEP_TOKENS:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -119,10 +133,17 @@ def sweep(weights, g: torch.Generator) -> dict:
         row = config_row(
             per, ("cublas_silu", lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
             lambda c: f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}",
-            lambda w, c: hc.down_silu(x, w, RANK, float(HC), counts, c or hc.DownSiluConfig()),
+            lambda w, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
         )  # fmt: skip
         with no_pdl("_no_pdl"):
-            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w, RANK, float(HC), counts))
+            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
+        if cute is not None:  # compiled (JIT) outside the timed graphs, checked against the reference
+            w = weights[0][1]
+            silu = cute(x, w, RANK, HC)[0]
+            row["vllm_cute_max_abs_diff"] = (silu.float() - hc.down_silu_reference(x, w, RANK, float(HC))[0].float()).abs().max().item()
+            row["vllm_cute"] = per(lambda w: cute(x, w, RANK, HC))
+            row["default_vs_vllm_cute"] = row["vllm_cute"] * row["default_vs_cublas_silu"] / row["cublas_silu"]
+            print("sweep", t, f"vLLM's CuTe kernel {row['vllm_cute']:.2f} us: the default runs at {row['default_vs_vllm_cute']:.2f}x its speed", flush=True)
         out[t] = row
         print("sweep", t, row["best"], f"{row[row['best']]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
               f"(default {row['default_vs_cublas_silu']:.2f}x, without PDL {row['default_no_pdl_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
