@@ -24,7 +24,8 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
 Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt, 64 new tokens, from the engine's own token
 timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
 enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
-wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`),
+wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`; a batch the KV cache cannot
+hold at once would decode in waves, which `decode_step` refuses and an engine's start-up probe catches first),
 prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and what the
 CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
 the GPU holds no copy of a host table).
