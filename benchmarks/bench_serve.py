@@ -35,6 +35,7 @@ kernel time from torch.profiler) and the kernels that take most of it.
 
     python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
         [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
+        [--rounds 2]
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
@@ -517,27 +518,44 @@ def describe(model: dict, graph_mode: str) -> str:
             f"{model['ngram_vocab_size_base']:,} PLE rows per hash head, {graph_mode}")
 
 
-def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
-    """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "bench_serve.json").exists():
-        results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
-    ratios = {}
+def decode_ratios(results: dict) -> dict:
+    """Ours against each reference measured on the same prompts in the same round: keys VARIANT[@SOURCE][@cold][#ROUND]
+    -> {"KEY/REF_KEY": {batch: ratio}}."""
     ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
             *(f"host_int8_files{p}" for p in (100, 50, 20, 5)))  # fmt: skip
-    for key in results:  # VARIANT or VARIANT@SOURCE, against the references measured on the same prompts
-        name, at, kind = key.partition("@")
+    ratios = {}
+    for key in results:
+        name, at, kind = key.partition("#")[0].partition("@")
         if name not in ours:
             continue
         for ref in ("host_int8", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
-            ref += at + kind
+            ref += key[len(name):]
             if key != ref and all("decode_tokens_per_s" in results.get(k, {}) for k in (key, ref)):
                 ratios[f"{key}/{ref}"] = {
                     b: results[key]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
                     for b in DECODE_BATCHES
                 }
+    return ratios
+
+
+def ratio_rounds(ratios: dict) -> dict:
+    """Each ratio measured in more than one round (`--rounds`): its rounds' (min, median, max) per batch, the spread
+    between engine starts that a single ratio hides (±30 % for wall clock in breakable graphs)."""
+    by_pair = {}
+    for pair, r in ratios.items():
+        by_pair.setdefault("/".join(k.partition("#")[0] for k in pair.split("/")), []).append(r)
+    spread = lambda v: (min(v), statistics.median(v), max(v))  # noqa: E731
+    return {pair: {b: spread([r[b] for r in rs]) for b in rs[0]} for pair, rs in by_pair.items() if len(rs) > 1}
+
+
+def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
+    """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "bench_serve.json").exists():
+        results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
+    ratios = decode_ratios(results)
     doc = {"machine": versions(), "model": model, "engine": engine_config(model["num_hidden_layers"]), "decode": [DECODE_PROMPT, DECODE_TOKENS],
-           "graph_mode": graph_mode, "results": results, "decode_ratios": ratios}  # fmt: skip
+           "graph_mode": graph_mode, "results": results, "decode_ratios": ratios, "decode_ratio_rounds": ratio_rounds(ratios)}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
         plot(results, out / "bench_serve.png", describe(model, graph_mode))
@@ -576,6 +594,9 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
                         help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
                         "several: each in turn in one engine, reported as VARIANT@SOURCE")
+    parser.add_argument("--rounds", type=int, default=1, help="start the variants' engines this many times, in turn "
+                        "(A B A B): rounds after the first are reported as VARIANT#ROUND, and each ratio's spread over the "
+                        "rounds as decode_ratio_rounds")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -602,7 +623,7 @@ def main() -> None:
     from qwen4_exp_hcu.ple.file_rows import drop_page_cache  # --cold
 
     results = {}
-    for name in args.variants:
+    for r, name in ((r, name) for r in range(1, args.rounds + 1) for name in args.variants):
         checkpoint = checkpoints[VARIANTS[name][2]]
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
@@ -625,6 +646,7 @@ def main() -> None:
             measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
         for kind, r in measured.items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
+            key += f"#{r}" if r > 1 else ""
             results[key] = r
             print(key, json.dumps(r), flush=True)
         write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured

@@ -86,3 +86,18 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     assert 0 < 8 * bench_serve.decode_step(outputs) < wall
     with pytest.raises(ValueError, match="did not decode together"):  # 6 requests, 3 sequences at a time
         bench_serve.decode_step(waves)
+
+
+def test_rounds_pair_each_variant_with_its_own_rounds_reference():
+    """`--rounds 2`: each round's ratio is against the reference of the same round and prompts, and the rounds'
+    spread is reported per pair (made-up rates; the spread is what a single ratio hides)."""
+    rates = {"host_int8_piecewise@text": 40, "host_int8_files20@text": 44, "host_int8_piecewise@text#2": 25,
+             "host_int8_files20@text#2": 30, "host_int8_piecewise@uniform": 50, "host_int8_files20@uniform": 45}  # fmt: skip
+    results = {k: {"decode_tokens_per_s": {str(b): v * b for b in bench_serve.DECODE_BATCHES}} for k, v in rates.items()}
+    ratios = bench_serve.decode_ratios(results)
+    assert set(ratios) == {"host_int8_files20@text/host_int8_piecewise@text", "host_int8_files20@uniform/host_int8_piecewise@uniform",
+                           "host_int8_files20@text#2/host_int8_piecewise@text#2"}  # fmt: skip
+    assert ratios["host_int8_files20@text#2/host_int8_piecewise@text#2"][1] == pytest.approx(30 / 25)
+    spread = bench_serve.ratio_rounds(ratios)
+    assert set(spread) == {"host_int8_files20@text/host_int8_piecewise@text"}  # one round on uniform ids: no spread
+    assert spread["host_int8_files20@text/host_int8_piecewise@text"][32] == pytest.approx((1.1, 1.15, 1.2))
