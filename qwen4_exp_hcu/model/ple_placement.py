@@ -121,19 +121,27 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     files = CheckpointFiles(checkpoint_directory(vllm_config))
     # staging for every id of the largest step (tokens x n-gram heads), so it never grows (and re-pins) while serving
     most_ids = vllm_config.scheduler_config.max_num_batched_tokens * ngram_heads(config)
-    tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)), staging_rows=most_ids)
     calibration = settings.host_table_calibration
+    # calibrated resident rows stay put: no counts, no promotions (refresh_every 0); otherwise they follow traffic
+    tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)), staging_rows=most_ids,
+                    **({"refresh_every": 0} if calibration else {}))  # fmt: skip
     return tier, None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
 
 
 def checkpoint_directory(vllm_config: VllmConfig) -> str:
-    """The local directory of the served checkpoint: the model path, or its Hugging Face cache snapshot."""
+    """The local directory of the served checkpoint: the model path, or its Hugging Face snapshot in the cache vLLM
+    downloaded it to (`--download-dir`, else the default cache), so the rows come from the files vLLM loaded."""
     model = vllm_config.model_config.model
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(model, revision=vllm_config.model_config.revision, local_files_only=True)
+    cache = vllm_config.load_config.download_dir
+    try:
+        return snapshot_download(model, revision=vllm_config.model_config.revision, cache_dir=cache, local_files_only=True)
+    except Exception as e:  # huggingface_hub's not-found errors name neither the setting nor the cache
+        raise ValueError(f"{WHERE}.host_table_gib reads PLE rows from {model}'s files, but no local snapshot of it is in "
+                         f"{cache or 'the default Hugging Face cache'}: {e}") from e  # fmt: skip
 
 
 def check_uva(cpu_offload: bool, device: torch.device, uva_available: bool, platform: str) -> None:
