@@ -255,3 +255,23 @@ def test_a_promotion_reads_at_most_promote_rows_newcomers_the_most_read_first(mo
     for _ in range(5):  # the rows read once were forgotten (counts halve); read again, they come 8 at a time
         rows._count(np.arange(40))
     assert read == [8, 8, 8, 8, 8, 5] and int((rows.slot_row >= 0).sum()) == 45
+
+
+def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):
+    """A CUDA-graph batch pads its tokens past the last request's; with the file tier their rows are neither read
+    from the files nor counted (they would promote the hash of token 0), and the real tokens' embeddings are the
+    whole table's."""
+    from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
+
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True))
+    tiered = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole.table, 0.05, refresh_every=1000)))
+    ids = torch.tensor([5, 17, 23, 9, 0, 0, 0])  # two requests of 2 tokens, 3 padding tokens
+    batch = PLEBatch.from_lengths(ids, [2, 2], [0, 1], [False, False])
+    state = PLEState.zeros(whole.state_shapes(), 2, torch.bfloat16)
+    rows = tiered.table.file_rows
+    before = rows.counts.sum()
+    got, want = tiered.lookup(batch, state), whole.lookup(batch, state)
+    assert torch.equal(got[:4], want[:4])
+    assert rows.counts.sum() - before == 4 * whole.spec.num_heads  # the real tokens' rows, every head owned
+    assert not got[4:].any()  # padding looked up no row
