@@ -60,6 +60,7 @@ the CuTe DSL on the GPU machine (`tests/gpu_cute_dsl.sh`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -623,7 +624,7 @@ def main() -> None:
     from qwen4_exp_hcu.ple.file_rows import drop_page_cache  # --cold
 
     results = {}
-    for r, name in ((r, name) for r in range(1, args.rounds + 1) for name in args.variants):
+    for round_, name in itertools.product(range(1, args.rounds + 1), args.variants):
         checkpoint = checkpoints[VARIANTS[name][2]]
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
@@ -646,7 +647,7 @@ def main() -> None:
             measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
         for kind, r in measured.items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
-            key += f"#{r}" if r > 1 else ""
+            key += f"#{round_}" if round_ > 1 else ""
             results[key] = r
             print(key, json.dumps(r), flush=True)
         write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured

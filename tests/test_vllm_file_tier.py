@@ -184,7 +184,7 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
     assert tier.refresh_every == 0 and calibration is not None  # calibrated: they stay as calibrated
 
 
-def test_a_hub_checkpoint_is_looked_up_where_vllm_downloaded_it(tiny, tmp_path):
+def test_a_hub_checkpoint_is_looked_up_where_vllm_downloaded_it(tmp_path):
     """A Hub id: the snapshot in `--download-dir`'s cache, the one vLLM loaded, not the default cache's."""
     from types import SimpleNamespace
 

@@ -135,11 +135,12 @@ def checkpoint_directory(vllm_config: VllmConfig) -> str:
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = vllm_config.load_config.download_dir
     try:
         return snapshot_download(model, revision=vllm_config.model_config.revision, cache_dir=cache, local_files_only=True)
-    except Exception as e:  # huggingface_hub's not-found errors name neither the setting nor the cache
+    except LocalEntryNotFoundError as e:  # it names neither the setting nor the cache
         raise ValueError(f"{WHERE}.host_table_gib reads PLE rows from {model}'s files, but no local snapshot of it is in "
                          f"{cache or 'the default Hugging Face cache'}: {e}") from e  # fmt: skip
 
