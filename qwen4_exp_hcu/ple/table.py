@@ -260,7 +260,7 @@ class PLETable:
         if self.hot is not None:  # only on an accelerator (`enable_hot_rows`)
             self.hot.observe(ids)
             cache = self.hot.tensors
-        if self.file_rows is not None:  # host sync: never captured (serving keeps full CUDA graphs off, `file_tier_graphs`)
+        if self.file_rows is not None:  # the misses staged by a host function in stream order (captured by CUDA graphs)
             if cache is not None:  # staged ids are buffer rows: the cache is consulted per (token, head)
                 slots = self.hot.slots_of(ids)
                 cache, by_pair = (slots, *cache[1:]), True

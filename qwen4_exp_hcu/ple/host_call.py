@@ -1,0 +1,68 @@
+"""Host work in a GPU stream's order: `cuLaunchHostFunc` (CUDA) / `hipLaunchHostFunc` (ROCm, HCU).
+
+The driver runs the function on its own thread once the stream's earlier work is done, and holds back the
+stream's later work until it returns. A CUDA graph captures the launch as a host node, so host work (the file
+tier's reads from the checkpoint's files) runs inside full decode graphs, and never blocks the Python thread
+that queues the step. The function must not call the GPU runtime (no CUDA/HIP calls, no CUDA tensors): it
+works on host memory, with the GIL, which the thread queuing the step gives up while it waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_LAUNCH = None
+RUNTIMES = {"cuda": (("libcuda.so.1",), "cuLaunchHostFunc"),
+            "hip": (("libamdhip64.so", "libamdhip64.so.6", "libgalaxyhip.so"), "hipLaunchHostFunc")}  # fmt: skip
+
+
+def _launcher():
+    """The runtime's launch function, loaded once: the driver library torch already loaded."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        libraries, symbol = RUNTIMES["hip" if torch.version.hip else "cuda"]
+        errors = []
+        for name in libraries:
+            try:
+                launch = getattr(ctypes.CDLL(name), symbol)
+                break
+            except (OSError, AttributeError) as e:
+                errors.append(f"{name}: {e}")
+        else:
+            raise RuntimeError(f"PLE rows from files need {symbol} to run host reads in stream order: {'; '.join(errors)}")
+        launch.argtypes, launch.restype = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p], ctypes.c_int
+        _LAUNCH = launch
+    return _LAUNCH
+
+
+class HostCall:
+    """`fn(arg: int)` launched in a stream's order (`launch(stream, arg)`), captured by CUDA graphs. The
+    trampoline lives as long as this object: keep it as long as any captured graph may replay it."""
+
+    def __init__(self, fn: Callable[[int], None], what: str) -> None:
+        self.what = what
+
+        def run(arg) -> None:
+            try:
+                fn(arg or 0)
+            except BaseException:  # nothing can be raised into the stream: the kernels after it would read stale rows
+                logger.critical("%s failed on the driver's host thread; stopping the process:\n%s", what, traceback.format_exc())
+                sys.stderr.flush()
+                os.abort()
+
+        self._trampoline = _HOST_FN(run)
+
+    def launch(self, stream: torch.cuda.Stream, arg: int) -> None:
+        status = _launcher()(ctypes.c_void_p(stream.cuda_stream), self._trampoline, ctypes.c_void_p(arg))
+        if status != 0:
+            raise RuntimeError(f"{self.what}: launching the host function failed with driver status {status}.")
