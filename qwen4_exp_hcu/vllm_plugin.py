@@ -58,7 +58,7 @@ def check_settings_with_config(architecture: str) -> None:
             from vllm.platforms import current_platform
 
             base.verify_and_update_config(vllm_config)
-            plugin_settings(vllm_config.additional_config)
+            plugin_settings(vllm_config.additional_config)  # bad settings fail here, naming them
             check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
             new_engine_start()
 

@@ -172,6 +172,8 @@ class FileRows:
             every = np.arange(self.n)
             self._read(every, 0)
             self.slot_of[:], self.slot_row[:] = every, every
+        if next(iter(self.buffers.values())).is_pinned():  # read by an accelerator: its pinned ids now, not mid-capture
+            self._reserve(self.staging, torch.device("cuda"))
 
     def _read(self, rows: np.ndarray, at: int, into: dict[str, np.ndarray] | None = None) -> None:
         """Copy owned rows from the files into buffer rows `at...` (or into the per-row byte arrays `into`)."""
@@ -206,8 +208,9 @@ class FileRows:
             return
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
-                raise ValueError(f"PLE rows from files: a captured step of {n} row ids exceeds the staging area of "
-                                 f"{self.staging} rows, which the file tier sizes for the largest step at start-up.")  # fmt: skip
+                raise ValueError(f"PLE rows from files: a captured step of {n} row ids needs a staging area ({self.staging} "
+                                 f"rows) and pinned ids ({io_rows}) that large: the file tier sizes both for the largest "
+                                 "step at start-up (`staging_rows`).")  # fmt: skip
             torch.cuda.synchronize(device)  # in-flight host functions and kernels use the old buffers
         if n > self.staging:
             self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
