@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qwen4_exp_hcu.ple.host_call import HostCall
+from qwen4_exp_hcu.ple.host_call import HostCall, launcher
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
@@ -173,6 +173,7 @@ class FileRows:
             self._read(every, 0)
             self.slot_of[:], self.slot_row[:] = every, every
         if next(iter(self.buffers.values())).is_pinned():  # read by an accelerator: its pinned ids now, not mid-capture
+            launcher()
             self._reserve(self.staging, torch.device("cuda"))
 
     def _read(self, rows: np.ndarray, at: int, into: dict[str, np.ndarray] | None = None) -> None:

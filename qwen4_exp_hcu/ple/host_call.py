@@ -26,8 +26,9 @@ RUNTIMES = {"cuda": (("libcuda.so.1",), "cuLaunchHostFunc"),
             "hip": (("libamdhip64.so", "libamdhip64.so.6", "libgalaxyhip.so"), "hipLaunchHostFunc")}  # fmt: skip
 
 
-def _launcher():
-    """The runtime's launch function, loaded once: the driver library torch already loaded."""
+def launcher():
+    """The runtime's launch function, loaded once (the driver library torch already loaded); a platform without it
+    fails here, naming the symbol: the file tier calls this at load."""
     global _LAUNCH
     if _LAUNCH is None:
         libraries, symbol = RUNTIMES["hip" if torch.version.hip else "cuda"]
@@ -63,6 +64,6 @@ class HostCall:
         self._trampoline = _HOST_FN(run)
 
     def launch(self, stream: torch.cuda.Stream, arg: int) -> None:
-        status = _launcher()(ctypes.c_void_p(stream.cuda_stream), self._trampoline, ctypes.c_void_p(arg))
+        status = launcher()(ctypes.c_void_p(stream.cuda_stream), self._trampoline, ctypes.c_void_p(arg))
         if status != 0:
             raise RuntimeError(f"{self.what}: launching the host function failed with driver status {status}.")
