@@ -15,7 +15,7 @@ replicas on the node). Per rank on the GPU beside host tables: the row scales wh
 the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
 from a calibration file). With `--host-table-gib G` (serving's `host_table_gib`, the file tier): per rank the
 pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens`
-step), the bytes left in the checkpoint's files, the pageable host bytes of the row maps (4 B per owned row and
+step, and its ids, 17 B each, that the host function reads and writes), the bytes left in the checkpoint's files, the pageable host bytes of the row maps (4 B per owned row and
 per resident row, + 4 B of counts per owned row when following traffic) and the GPU bytes of the tables (none:
 scales stay with their rows).
 Writes benchmarks/results/plan_memory.json.
@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
-from qwen4_exp_hcu.ple.file_rows import resident_slots
+from qwen4_exp_hcu.ple.file_rows import IO_DTYPES, resident_slots
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -46,11 +46,11 @@ def load_config(path: str | None, num_ple_layers: int):
 
 def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, hot_rows_bytes: int, staging_rows: int) -> dict:
     """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows), with a staging
-    area of `staging_rows` per layer (serving: every id of the largest step); the GPU holds the hot-row cache in
+    area of `staging_rows` per layer (serving: every id of the largest step) with its pinned ids; the GPU holds the hot-row cache in
     front of it, if any."""
     budget = host_table_bytes // len(per_layer)
     resident = sum(resident_slots(budget, n, row_bytes) for n in per_layer)
-    staging = len(per_layer) * staging_rows * row_bytes
+    staging = len(per_layer) * staging_rows * (row_bytes + sum(t.itemsize for t in IO_DTYPES.values()))
     return {
         "file_tier_pinned_bytes_per_rank": resident * row_bytes + staging,
         "file_tier_file_bytes_per_rank": (sum(per_layer) - resident) * row_bytes,

@@ -34,6 +34,8 @@ from qwen4_exp_hcu.ple.host_call import HostCall, launcher
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
+# pinned per id of a lookup, shared with its host function: the id, the hot-row cache's flag, the buffer row
+IO_DTYPES = {"ids": torch.int64, "cached": torch.bool, "slot": torch.int64}
 
 # safetensors dtype codes -> bytes per element (the rows are moved as bytes)
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -219,7 +221,7 @@ class FileRows:
             from qwen4_exp_hcu.ple.host_memory import pinned_empty
 
             size = max(n, self.staging)
-            self._io_tensors = {k: pinned_empty((size,), dtype) for k, dtype in (("ids", torch.int64), ("cached", torch.bool), ("slot", torch.int64))}
+            self._io_tensors = {k: pinned_empty((size,), dtype) for k, dtype in IO_DTYPES.items()}
             self._io = {k: t.numpy() for k, t in self._io_tensors.items()}
 
     def stage(self, ids: torch.Tensor, cached: torch.Tensor | None = None) -> torch.Tensor:
