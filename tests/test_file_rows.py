@@ -215,6 +215,19 @@ def test_a_cuda_graph_replays_the_file_reads(checkpoints, release):
         eager = _ids(table, 5, seed=200 + step)
         assert torch.equal(table.lookup(eager.cuda()).cpu(), whole.lookup(eager)), (release, step)
     assert table.file_rows.refreshes >= 8 and (table.file_rows.slot_row >= 0).any()
+    with pytest.raises(ValueError, match="CUDA graphs hold their addresses"):  # the graph would read freed buffers
+        table.lookup(_ids(table, 100, seed=9).cuda())  # 400 ids, staging 256
+
+
+def test_buffers_a_cuda_graph_holds_do_not_grow(checkpoints):
+    """After a capture, a lookup with more ids than staging fails naming `staging_rows`: growing would free the
+    buffers (staging, pinned ids) whose addresses the graph replays."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    rows = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole, 0.2))).table.file_rows
+    rows._captured = True  # as `stage` marks it when a CUDA graph captures a lookup
+    with pytest.raises(ValueError, match=r"17 row ids needs a staging area \(16 rows\).*CUDA graphs hold.*`staging_rows`"):
+        rows._reserve(17, torch.device("cuda"))
 
 
 @pytest.mark.gpu

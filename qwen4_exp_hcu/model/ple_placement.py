@@ -97,8 +97,13 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
         raise ValueError(f"{WHERE}.host_table_gib does not combine with --engram-config.dp_shared_memory or use_thp.")
     config = vllm_config.model_config.hf_text_config
     files = CheckpointFiles(checkpoint_directory(vllm_config))
-    # staging for every id of the largest step (tokens x n-gram heads), so it never grows (and re-pins) while serving
-    most_ids = vllm_config.scheduler_config.max_num_batched_tokens * ngram_heads(config)
+    # staging for every id the largest step looks up (tokens x n-gram heads), so it never grows (and re-pins) while
+    # serving: CUDA graphs hold its address. Across DP a rank looks up every ETP rank's slice of its replica's tokens.
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if storage.across_dp:
+        tp = storage.replica_group.world_size if storage.replica_group is not None else 1
+        tokens = storage.etp_group.world_size * -(-tokens // tp)
+    most_ids = tokens * ngram_heads(config)
     calibration = settings.host_table_calibration
     # calibrated resident rows stay put: no counts, no promotions (refresh_every 0); otherwise they follow traffic
     tier = FileTier(files, int(settings.host_table_gib * 2**30) // len(ple_layers(config)), staging_rows=most_ids,

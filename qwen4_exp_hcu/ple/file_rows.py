@@ -22,6 +22,7 @@ counted here, so host memory keeps the next most read rows, and it copies its ne
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -147,13 +148,15 @@ class FileRows:
         self._lookups, self._done, self._clock = 0, None, 0
         self.refreshes, self.share = 0, 0.0
         self._io: dict[str, np.ndarray] = {}  # pinned ids / cached / slots of a lookup, shared with the host function
+        self._captured = False  # a CUDA graph holds the buffers' addresses: they can no longer be reallocated
         self._io_tensors: dict[str, torch.Tensor] = {}
         self._host = HostCall(self._stage_in_stream, "PLE rows from files: staging a lookup's rows")
 
     def _set_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """The per-row buffers, and their bytes as numpy arrays: what the host function writes (no torch there)."""
         self.buffers = buffers
-        self._bytes = {part: t.view(torch.uint8).view(t.shape[0], -1).numpy() for part, t in buffers.items()}
+        self._bytes = {part: t.view(torch.uint8).view(len(t), math.prod(t.shape[1:]) * t.element_size()).numpy()
+                       for part, t in buffers.items()}  # fmt: skip
 
     @property
     def staging(self) -> int:
@@ -210,10 +213,10 @@ class FileRows:
         if n <= self.staging and (device.type != "cuda" or n <= io_rows):
             return
         if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                raise ValueError(f"PLE rows from files: a captured step of {n} row ids needs a staging area ({self.staging} "
-                                 f"rows) and pinned ids ({io_rows}) that large: the file tier sizes both for the largest "
-                                 "step at start-up (`staging_rows`).")  # fmt: skip
+            if self._captured or torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"PLE rows from files: a lookup of {n} row ids needs a staging area ({self.staging} rows) "
+                                 f"and pinned ids ({io_rows}) that large, but CUDA graphs hold their addresses: the file "
+                                 "tier sizes both for the most ids a step looks up at start-up (`staging_rows`).")  # fmt: skip
             torch.cuda.synchronize(device)  # in-flight host functions and kernels use the old buffers
         if n > self.staging:
             self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
@@ -235,8 +238,10 @@ class FileRows:
             flags = None if cached is None else cached.reshape(-1).numpy()
             return torch.from_numpy(self._stage(ids.reshape(-1).to(torch.int64).numpy(), flags)).view(ids.shape)
         stream = torch.cuda.current_stream(ids.device)
+        self._captured |= torch.cuda.is_current_stream_capturing()
         if self._done is not None and not torch.cuda.is_current_stream_capturing():
-            stream.wait_event(self._done)  # the last lookup's kernel, perhaps on another stream, read staging
+            stream.wait_event(self._done)  # the last eager lookup's kernel, perhaps on another stream, read staging
+            # (a graph's lookups record nothing: the caller orders work after a replay, as `ple.prefetch` does)
         io = self._io_tensors
         io["ids"][:n].copy_(ids.reshape(-1), non_blocking=True)
         if cached is not None:

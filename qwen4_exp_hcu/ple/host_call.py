@@ -5,6 +5,11 @@ stream's later work until it returns. A CUDA graph captures the launch as a host
 tier's reads from the checkpoint's files) runs inside full decode graphs, and never blocks the Python thread
 that queues the step. The function must not call the GPU runtime (no CUDA/HIP calls, no CUDA tensors): it
 works on host memory, with the GIL, which the thread queuing the step gives up while it waits on the GPU.
+Two costs of running Python there, not yet measured: the stream waits for the GIL while another thread runs
+Python (up to the interpreter's switch interval, 5 ms), and a garbage collection that starts in the function
+runs finalizers on the driver's thread, where a CUDA object's (an event's destroy) would break that rule. The
+way out of both, not built: host nodes that are C functions (a semaphore post, then a wait) in front of a Python
+worker thread.
 """
 
 from __future__ import annotations
