@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
+from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens, upstream_bytes_per_token
 from qwen4_exp_hcu.ple.file_rows import IO_DTYPES, resident_slots
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
@@ -89,7 +89,8 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host
                     "etp_bytes_per_step_upstream": round(
                         len(rows) * tokens * (upstream_bytes_per_token(world, dp, heads, dim) if across else 2 * (tp - 1) / tp * heads * dim * 2)
                     ),
-                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes, hot_rows_bytes, max_step_tokens * heads)
+                    **(file_tier_bytes(per_layer, dim + 2, host_table_bytes, hot_rows_bytes,
+                                       looked_up_tokens(world, across, max_step_tokens, tp) * heads)
                        if host_table_bytes else {}),
                 }
                 out.append(row)

@@ -84,6 +84,7 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
 def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_huge: bool):
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
     host bytes of each PLE layer's resident rows."""
+    from qwen4_exp_hcu.ple.etp import looked_up_tokens
     from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
     from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
@@ -98,11 +99,10 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     config = vllm_config.model_config.hf_text_config
     files = CheckpointFiles(checkpoint_directory(vllm_config))
     # staging for every id the largest step looks up (tokens x n-gram heads), so it never grows (and re-pins) while
-    # serving: CUDA graphs hold its address. Across DP a rank looks up every ETP rank's slice of its replica's tokens.
-    tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    if storage.across_dp:
-        tp = storage.replica_group.world_size if storage.replica_group is not None else 1
-        tokens = storage.etp_group.world_size * -(-tokens // tp)
+    # serving: CUDA graphs hold its address.
+    world = storage.etp_group.world_size if storage.etp_group is not None else 1
+    tp = storage.replica_group.world_size if storage.replica_group is not None else 1
+    tokens = looked_up_tokens(world, storage.across_dp, vllm_config.scheduler_config.max_num_batched_tokens, tp)
     most_ids = tokens * ngram_heads(config)
     calibration = settings.host_table_calibration
     # calibrated resident rows stay put: no counts, no promotions (refresh_every 0); otherwise they follow traffic

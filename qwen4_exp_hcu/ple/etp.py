@@ -58,6 +58,12 @@ class TorchGroup:
         return out
 
 
+def looked_up_tokens(world: int, across_dp: bool, tokens: int, replica: int = 1) -> int:
+    """Tokens whose rows a rank looks up in a step of `tokens` (across DP the token bound): its own, or across DP
+    every ETP rank's slice of its replica's tokens (`ETPLookup.__call__`'s all-gather)."""
+    return world * -(-tokens // replica) if across_dp else tokens
+
+
 def combine_bytes(world: int, across_dp: bool, num_heads: int, dim: int, tokens: int, replica: int = 1) -> int:
     """Bytes each rank sends/receives (ring volume) combining one step: `tokens` = this rank's tokens, or
     across DP the step's token bound (largest replica); `replica` = TP ranks per DP replica."""
