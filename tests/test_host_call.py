@@ -19,6 +19,28 @@ def test_the_host_function_gets_its_argument():
     assert seen == [2469, 0]
 
 
+def test_a_method_is_held_weakly():
+    """The file tier's rows own their host call: without a cycle between them, they are freed when dropped, in the
+    thread that drops them, not by a garbage collection that may run on the driver's thread."""
+    import weakref
+
+    class Owner:
+        def __init__(self):
+            self.seen = []
+            self.call = host_call.HostCall(self.stage, "a test")
+
+        def stage(self, arg):
+            self.seen.append(arg)
+
+    owner = Owner()
+    owner.call._trampoline(ctypes.c_void_p(6))
+    assert owner.seen == [6]
+    trampoline, gone = owner.call._trampoline, weakref.ref(owner)
+    del owner
+    assert gone() is None  # freed by its reference count alone
+    trampoline(ctypes.c_void_p(8))  # a graph replaying it later finds nothing to do
+
+
 def test_a_failure_stops_the_process_naming_the_work(monkeypatch, caplog):
     stopped = []
     monkeypatch.setattr(host_call.os, "abort", lambda: stopped.append(True))

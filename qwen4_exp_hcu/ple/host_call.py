@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 import traceback
+import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -51,22 +53,31 @@ def launcher():
     return _LAUNCH
 
 
+_TRAMPOLINES = []  # never freed: a captured graph or a queued launch may call one after its owner has gone
+
+
 class HostCall:
-    """`fn(arg: int)` launched in a stream's order (`launch(stream, arg)`), captured by CUDA graphs. The
-    trampoline lives as long as this object: keep it as long as any captured graph may replay it."""
+    """`fn(arg: int)` launched in a stream's order (`launch(stream, arg)`), captured by CUDA graphs. A bound
+    method is held weakly: its owner (the file tier's rows) holds this object, and a reference cycle would leave
+    it to a garbage collection, which may run on the driver's thread, freeing pinned memory there."""
 
     def __init__(self, fn: Callable[[int], None], what: str) -> None:
         self.what = what
+        target = weakref.WeakMethod(fn) if isinstance(fn, types.MethodType) else (lambda: fn)
 
         def run(arg) -> None:
+            f = target()
+            if f is None:  # its owner is gone, and with it every lookup that would read what it stages
+                return
             try:
-                fn(arg or 0)
+                f(arg or 0)
             except BaseException:  # nothing can be raised into the stream: the kernels after it would read stale rows
                 logger.critical("%s failed on the driver's host thread; stopping the process:\n%s", what, traceback.format_exc())
                 sys.stderr.flush()
                 os.abort()
 
         self._trampoline = _HOST_FN(run)
+        _TRAMPOLINES.append(self._trampoline)
 
     def launch(self, stream: torch.cuda.Stream, arg: int) -> None:
         status = launcher()(ctypes.c_void_p(stream.cuda_stream), self._trampoline, ctypes.c_void_p(arg))
