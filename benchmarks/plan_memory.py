@@ -15,9 +15,9 @@ replicas on the node). Per rank on the GPU beside host tables: the row scales wh
 the rows that budget caches once the row maps are paid (filled from traffic, which also keeps counts, or
 from a calibration file). With `--host-table-gib G` (serving's `host_table_gib`, the file tier): per rank the
 pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens`
-step, and its ids, 17 B each, that the host function reads and writes), the bytes left in the checkpoint's files, the pageable host bytes of the row maps (4 B per owned row and
-per resident row, + 4 B of counts per owned row when following traffic) and the GPU bytes of the tables (none:
-scales stay with their rows).
+step, and its ids, 17 B each, that the host function reads and writes), the bytes left in the checkpoint's
+files, the pageable host bytes of the row maps (4 B per owned row and per resident row, + 4 B of counts per
+owned row when following traffic) and the GPU bytes of the tables (none: scales stay with their rows).
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -46,8 +46,8 @@ def load_config(path: str | None, num_ple_layers: int):
 
 def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, hot_rows_bytes: int, staging_rows: int) -> dict:
     """Per-rank bytes of the file tier over this rank's owned rows of each PLE layer (INT8 rows), with a staging
-    area of `staging_rows` per layer (serving: every id of the largest step) with its pinned ids; the GPU holds the hot-row cache in
-    front of it, if any."""
+    area of `staging_rows` per layer (serving: every id of the largest step) with its pinned ids; the GPU holds
+    the hot-row cache in front of it, if any."""
     budget = host_table_bytes // len(per_layer)
     resident = sum(resident_slots(budget, n, row_bytes) for n in per_layer)
     staging = len(per_layer) * staging_rows * (row_bytes + sum(t.itemsize for t in IO_DTYPES.values()))

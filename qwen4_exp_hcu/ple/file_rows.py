@@ -155,8 +155,7 @@ class FileRows:
     def _set_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """The per-row buffers, and their bytes as numpy arrays: what the host function writes (no torch there)."""
         self.buffers = buffers
-        self._bytes = {part: t.view(torch.uint8).view(len(t), math.prod(t.shape[1:]) * t.element_size()).numpy()
-                       for part, t in buffers.items()}  # fmt: skip
+        self._bytes = {part: byte_rows(t) for part, t in buffers.items()}
 
     @property
     def staging(self) -> int:
@@ -237,9 +236,9 @@ class FileRows:
         if ids.device.type != "cuda":
             flags = None if cached is None else cached.reshape(-1).numpy()
             return torch.from_numpy(self._stage(ids.reshape(-1).to(torch.int64).numpy(), flags)).view(ids.shape)
-        stream = torch.cuda.current_stream(ids.device)
-        self._captured |= torch.cuda.is_current_stream_capturing()
-        if self._done is not None and not torch.cuda.is_current_stream_capturing():
+        stream, capturing = torch.cuda.current_stream(ids.device), torch.cuda.is_current_stream_capturing()
+        self._captured |= capturing
+        if self._done is not None and not capturing:
             stream.wait_event(self._done)  # the last eager lookup's kernel, perhaps on another stream, read staging
             # (a graph's lookups record nothing: the caller orders work after a replay, as `ple.prefetch` does)
         io = self._io_tensors
@@ -364,12 +363,15 @@ class MappedRows:
         ids = ids.reshape(-1).numpy()
         order = np.argsort(ids, kind="stable")
         read = torch.empty((ids.size, *self.shape[1:]), dtype=self.dtype)
-        if not ids.size:
-            return read
-        self._rows._read(ids[order], 0, {self._part: read.view(torch.uint8).view(ids.size, -1).numpy()})
+        self._rows._read(ids[order], 0, {self._part: byte_rows(read)})
         out = torch.empty_like(read)
         out[torch.from_numpy(order)] = read
         return out
+
+
+def byte_rows(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's rows as a [rows, bytes per row] uint8 array over its memory (rows move as bytes; 0 rows too)."""
+    return t.view(torch.uint8).view(len(t), math.prod(t.shape[1:]) * t.element_size()).numpy()
 
 
 def resident_slots(resident_bytes: int, rows: int, row_bytes: int) -> int:
