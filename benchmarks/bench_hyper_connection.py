@@ -36,7 +36,6 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from qwen4_exp_hcu.env import PDL_ENV
@@ -74,15 +73,21 @@ SWEEP_TOKENS = (1, 4, 16, 32)
 def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
-    (16 left 6 splits idle); 1 split reads whole rows, also with 1-2 columns per program (vLLM's CuTe kernel: a
-    program per column) in K blocks of 2 048 or all of K at once (K's loop unrolled lost by 24 % in sessions 13 and
-    14, and went). More tokens (`tl.dot`: 16 columns): K splits and blocks, 4 warps (8 lost everywhere)."""
+    (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
+    blocks, 4 warps (8 lost everywhere). Up to WHOLE_ROWS_MAX_TOKENS also `whole_rows` (vLLM's CuTe FMA kernel's scheme,
+    1-2 columns a program, every weight loaded before the wait; the K loop's split 1 with 1-2 columns, its stand-in
+    until session 19, lost to 10 splits by 15-30 %)."""
+    whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
-        whole = itertools.product((1, 2), (1,), (2048, triton.next_power_of_2(HC * HIDDEN)), (4, 8))
-        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in (*grid, *whole)]
+        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid] + whole
     grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
-    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
+    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
+    return dots + (whole if tokens <= hc.WHOLE_ROWS_MAX_TOKENS else [])
+
+
+def config_label(c: hc.DownSiluConfig) -> str:
+    return f"rows_n{c.block_n}_w{c.num_warps}" if c.whole_rows else f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}"
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -132,7 +137,7 @@ def sweep(weights, g: torch.Generator) -> dict:
         per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
         row = config_row(
             per, ("cublas_silu", lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
-            lambda c: f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}",
+            config_label,
             lambda w, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
         )  # fmt: skip
         with no_pdl("_no_pdl"):

@@ -128,7 +128,8 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024), id="1-whole_rows")]
     + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2), id="1-two_columns_two_warps")]
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024), id="1-a_column_per_program")]
-    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")],
+    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
+    + [pytest.param(t, hc.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4))],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
@@ -148,15 +149,16 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     split=st.sampled_from([1, 2, 3, 7]),
     block_n=st.sampled_from([1, 2, 4, 16, 32]),
     block_k=st.sampled_from([16, 64, 256]),
+    whole_rows=st.booleans(),
 )
-def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k):
+def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, whole_rows):
     """Every launch the sweep could pick, on shapes no block divides: K spans ending mid-block, splits with nothing
-    to add, a program per column; the counters end at zero."""
-    assume(tokens == 1 or block_n >= 16)
+    to add, a program per column, whole rows of any K (a power of two: no tail); the counters end at zero."""
+    assume((tokens <= hc.WHOLE_ROWS_MAX_TOKENS) if whole_rows else (tokens == 1 or block_n >= 16))
     x = _randn(tokens, k, dtype=torch.float32, seed=k)
     weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32)
-    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k)
+    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, whole_rows=whole_rows)
     _assert_all_close(hc.down_silu(x, weight, 30, 4.0, counts, config), hc.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
@@ -172,11 +174,11 @@ def test_down_silu_reads_rows_at_any_stride(device):
 
 
 @cpu_only
-@pytest.mark.parametrize("tokens", [1, 17])
-def test_the_tolerance_sees_the_silu_on_the_wrong_columns(tokens):
+@pytest.mark.parametrize("tokens, whole_rows", [(1, False), (17, False), (2, True)])
+def test_the_tolerance_sees_the_silu_on_the_wrong_columns(tokens, whole_rows):
     """The injection logits pass through unchanged: a silu over one more column must fail."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, "cpu")
-    down, rest = hc.down_silu(x, weight, 31, 4.0, counts)
+    down, rest = hc.down_silu(x, weight, 31, 4.0, counts, hc.DownSiluConfig(whole_rows=whole_rows))
     with pytest.raises(AssertionError):
         _assert_all_close((down[:, :30], torch.cat((down[:, 30:], rest), -1)), hc.down_silu_reference(x, weight, 30, 4.0))
 
@@ -190,6 +192,8 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:1], weight, 30, 4.0, counts[:2])
     with pytest.raises(ValueError, match="blocks of 16 columns"):
         hc.down_silu(x[:2], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
+    with pytest.raises(ValueError, match="whole weight rows serve 1..4"):
+        hc.down_silu(x[:5], weight, 30, 4.0, counts, hc.DownSiluConfig(whole_rows=True))
 
 
 @cpu_only

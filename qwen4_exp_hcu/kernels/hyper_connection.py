@@ -189,6 +189,36 @@ def _down_silu_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
 
 
+@triton.jit(do_not_specialize=["T"])
+def _down_silu_rows_kernel(
+    x_ptr, w_ptr, down_ptr, rest_ptr, T, K, N, x_stride, w_stride, rank, scale,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K_HEAD: tl.constexpr, K_TAIL: tl.constexpr, launch_pdl: tl.constexpr,
+):  # fmt: skip
+    """Program per `BLOCK_N` columns holding their whole weight rows in registers: K in a power-of-two head and a
+    masked tail (10 240 = 8 192 + 2 048), both loaded before the wait for the previous kernel, so a launch's weight
+    reads overlap it entirely; then multiply-adds over each of up to ROWS token rows (x from L2). No K splits, no
+    partials: vLLM's CuTe FMA kernel's scheme."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    head = tl.arange(0, K_HEAD)
+    w_head = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + head[None, :], mask=col_ok[:, None], other=0.0)
+    if K_TAIL:
+        tail = K_HEAD + tl.arange(0, K_TAIL)
+        w_tail = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + tail[None, :], mask=col_ok[:, None] & (tail < K)[None, :], other=0.0)
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
+    for r in tl.static_range(ROWS):
+        row = tl.full([1], r, tl.int64)
+        x = tl.load(x_ptr + r * x_stride + head, mask=row < T, other=0.0).to(tl.float32)
+        acc = tl.sum(x[None, :] * w_head.to(tl.float32), axis=1)
+        if K_TAIL:
+            x = tl.load(x_ptr + r * x_stride + tail, mask=(row < T) & (tail < K), other=0.0).to(tl.float32)
+            acc += tl.sum(x[None, :] * w_tail.to(tl.float32), axis=1)
+        _down_silu_store(acc[None, :], down_ptr, rest_ptr, row, cols, (row < T)[:, None] & col_ok[None, :], N, rank, scale)
+    if launch_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def launch_pdl(t: torch.Tensor) -> bool:
     """Programmatic dependent launch for a kernel over `t` (as vLLM's own hyper-connection kernels launch): the
     kernel starts while the one before it drains, waits for it (`gdc_wait`) before reading anything it may have
@@ -299,6 +329,7 @@ def gate_mix(
 # own weights (from HBM, as in serving), DownSiluConfig's defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
 # at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without; benchmarks/results/hyper_connection); in serving, 560 against 802 us per 48-layer step at one token
 DOWN_SILU_MAX_TOKENS = 32
+WHOLE_ROWS_MAX_TOKENS = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
 
@@ -311,9 +342,10 @@ class DownSiluConfig:
     (benchmarks/results/hyper_connection)."""
 
     split: int = 10
-    block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`
+    block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`, 1 for whole rows
     block_k: int | None = None
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot` and whole rows
+    whole_rows: bool = False  # up to WHOLE_ROWS_MAX_TOKENS rows: `_down_silu_rows_kernel` (split, block_k unused)
 
 
 def down_silu_reference(
@@ -336,6 +368,8 @@ def down_silu(
         raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
+    if config.whole_rows:
+        return _down_silu_whole_rows(x, weight, rank, scale, config)
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n or (16 if dot else 4)
     if dot and block_n < 16:
@@ -350,5 +384,20 @@ def down_silu(
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
         num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
+    )  # fmt: skip
+    return down, rest
+
+
+def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float, config: DownSiluConfig):
+    (t, k), n = x.shape, weight.shape[0]
+    if t > WHOLE_ROWS_MAX_TOKENS:
+        raise ValueError(f"down_silu: {t} rows; whole weight rows serve 1..{WHOLE_ROWS_MAX_TOKENS}")
+    head = 1 << (k.bit_length() - 1)  # K = head + tail, the tail a masked power of two (0: none)
+    tail = triton.next_power_of_2(k - head) if k > head else 0
+    down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
+    block_n = config.block_n or 1
+    _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
+        BLOCK_N=block_n, K_HEAD=head, K_TAIL=tail, num_warps=config.num_warps or 4, launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
