@@ -258,14 +258,16 @@ class FileRows:
         local = ids - self.start
         owned = (local >= 0) & (local < self.n)
         need = owned if cached is None else owned & ~cached
+        wanted = local[need]
         if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
-            self._count(local[need])
-        slot = np.where(owned, 0, -1)
-        slot[need] = self.slot_of[local[need]]
-        miss = need & (slot < 0)
-        rows, inverse = np.unique(local[miss], return_inverse=True)
+            self._count(wanted)
+        at = self.slot_of[wanted]
+        miss = at < 0
+        rows, inverse = np.unique(wanted[miss], return_inverse=True)
         self._read(rows, self.slots)
-        slot[miss] = self.slots + inverse.reshape(-1)
+        at[miss] = self.slots + inverse.reshape(-1)
+        slot = np.where(owned, 0, -1)
+        slot[need] = at
         return slot
 
     def fill(self, ids: torch.Tensor) -> float:
@@ -278,9 +280,9 @@ class FileRows:
         """Count a lookup's rows; every `refresh_every` lookups promote the most counted and halve the counts.
         The work follows the rows read, not the table: over every row's count, a promotion at the release's
         80 M rows per TP4 rank took 2.9 s (a partition of all counts) on a 2-core host, every 256 lookups."""
-        fresh = rows[self.counts[rows] == 0]
-        np.add.at(self.counts, rows, 1)
-        self._counted.append(np.unique(fresh))
+        rows, times = np.unique(rows, return_counts=True)  # np.add.at took 8x as long (numpy 2.3, 4 096 ids)
+        self._counted.append(rows[self.counts[rows] == 0])
+        self.counts[rows] += times.astype(self.counts.dtype)
         self._lookups += 1
         if self._lookups >= self.tier.refresh_every:
             self._lookups = 0
