@@ -80,7 +80,7 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
-        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w) for n, s, k, w in grid] + whole
+        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
     grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
     dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
     return dots + (whole if tokens <= hc.WHOLE_ROWS_MAX_TOKENS else [])

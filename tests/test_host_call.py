@@ -4,7 +4,6 @@ stops the process naming the work (the kernels after it would read stale rows), 
 runtime's own (`cuLaunchHostFunc`, `hipLaunchHostFunc` on ROCm and HCU), a platform without it failing by name."""
 
 import ctypes
-import sys
 
 import pytest
 import torch
@@ -73,13 +72,7 @@ def test_the_launcher_is_the_runtimes(monkeypatch, hip, library, symbol):
         return _Library(name, [symbol])
 
     monkeypatch.setattr(host_call.ctypes, "CDLL", cdll)
-    interval = sys.getswitchinterval()
-    try:
-        host_call.launcher()
-        # a host function waits for the GIL at most this long while another thread runs Python
-        assert sys.getswitchinterval() == pytest.approx(host_call.SWITCH_INTERVAL_S) and host_call.SWITCH_INTERVAL_S < interval
-    finally:
-        sys.setswitchinterval(interval)
+    host_call.launcher()
     assert opened == [library]
 
 

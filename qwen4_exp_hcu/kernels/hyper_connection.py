@@ -337,15 +337,16 @@ DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-spl
 class DownSiluConfig:
     """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
-    (None: 256 with `tl.dot`, 1024 without). The defaults: the H200 sweep's best at the release's shape, weights
-    beyond L2 (session 13); session 14's sweep put them within 8 % of its best at every size
-    (benchmarks/results/hyper_connection)."""
+    (None: 256 with `tl.dot`, 1024 without), or whole weight rows. The defaults: the H200 sweep's best at the
+    release's shape, weights beyond L2 (session 13; whole rows at one row from session 19, 0.86x vLLM's CuTe kernel
+    against 0.73x); session 14's sweep put them within 8 % of its best at every size (benchmarks/results/hyper_connection)."""
 
     split: int = 10
-    block_n: int | None = None  # None: 4 at one row (multiply-adds), 16 with `tl.dot`, 1 for whole rows
+    block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot` and whole rows
-    whole_rows: bool = False  # up to WHOLE_ROWS_MAX_TOKENS rows: `_down_silu_rows_kernel` (split, block_k unused)
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
+    whole_rows: bool | None = None  # `_down_silu_rows_kernel` up to WHOLE_ROWS_MAX_TOKENS rows (split, block_k unused);
+    # None: at one row only (session 19's sweep: 4.28 against 4.97 us for 10 splits; at 4 rows 7.58 against 6.81)
 
 
 def down_silu_reference(
@@ -368,7 +369,7 @@ def down_silu(
         raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
-    if config.whole_rows:
+    if config.whole_rows or (config.whole_rows is None and t == 1):
         return _down_silu_whole_rows(x, weight, rank, scale, config)
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n or (16 if dot else 4)
@@ -398,6 +399,6 @@ def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scal
     block_n = config.block_n or 1
     _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
-        BLOCK_N=block_n, K_HEAD=head, K_TAIL=tail, num_warps=config.num_warps or 4, launch_pdl=launch_pdl(x),
+        BLOCK_N=block_n, K_HEAD=head, K_TAIL=tail, num_warps=config.num_warps or 2, launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest

@@ -189,10 +189,9 @@ class Qwen4ExpModel(nn.Module):
         self.ple_blocks: list[PLEBlock] = [layer.ple for layer in self.layers if layer.ple is not None]
         # prefetch_before[i]: PLE blocks whose table lookup starts right before decoder layer i runs.
         self.prefetch_before: list[list[PLEBlock]] = [[] for _ in self.layers]
-        ahead = placement.prefetch_ahead if placement else 1
         for i, layer in enumerate(self.layers):
             if layer.ple is not None and layer.ple.prefetch is not None:
-                self.prefetch_before[max(i - ahead, 0)].append(layer.ple)
+                self.prefetch_before[max(i - 1, 0)].append(layer.ple)
         splitting_ops = vllm_config.compilation_config.splitting_ops
         if self.ple_blocks and splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
             splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)

@@ -22,10 +22,8 @@ logger = init_logger(__name__)
 
 class PLEPlacement:
     """Where the PLE tables live and how they are sharded (`storage`), the hot-row cache's (bytes per layer,
-    calibration tokens) (`hot_rows`), the prefetch workspace every PLE block takes its handle from (`prefetch`,
-    None with `QWEN4_EXP_HCU_PREFETCH=0`), and how many decoder layers ahead of its own a lookup starts
-    (`prefetch_ahead`): one, or with the file tier all, since its host reads run one after another on the driver's
-    thread: started with the step, they overlap all of it, not each only the layer before its own."""
+    calibration tokens) (`hot_rows`), and the prefetch workspace every PLE block takes its handle from
+    (`prefetch`, None with `QWEN4_EXP_HCU_PREFETCH=0`)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         from vllm.distributed import get_etp_group, get_tp_group
@@ -58,7 +56,6 @@ class PLEPlacement:
         self.hot_rows = hot_rows_settings(vllm_config, self.storage)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.prefetch = PrefetchWorkspace([], max_tokens, device) if prefetch_enabled() else None
-        self.prefetch_ahead = 1 if file_tier is None else vllm_config.model_config.hf_text_config.num_hidden_layers
 
 
 def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):

@@ -5,12 +5,11 @@ stream's later work until it returns. A CUDA graph captures the launch as a host
 tier's reads from the checkpoint's files) runs inside full decode graphs, and never blocks the Python thread
 that queues the step. The function must not call the GPU runtime (no CUDA/HIP calls, no CUDA tensors): it
 works on host memory, with the GIL, which the thread queuing the step gives up while it waits on the GPU.
-Two costs of running Python there: the stream waits for the GIL while another thread runs Python (vLLM's
-scheduler, during the step: up to the interpreter's switch interval, 5 ms by default, which the first launcher
-lowers to `SWITCH_INTERVAL_S` for the process), and a garbage collection that starts in the function runs
-finalizers on the driver's thread, where a CUDA object's (an event's destroy) would break that rule. The way out
-of both, not built: host nodes that are C functions (a semaphore post, then a wait) in front of a Python worker
-thread.
+Two costs of running Python there, not yet measured: the stream waits for the GIL while another thread runs
+Python (up to the interpreter's switch interval, 5 ms), and a garbage collection that starts in the function
+runs finalizers on the driver's thread, where a CUDA object's (an event's destroy) would break that rule. The
+way out of both, not built: host nodes that are C functions (a semaphore post, then a wait) in front of a Python
+worker thread.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-SWITCH_INTERVAL_S = 0.0005  # the longest a host function waits for the GIL while another thread runs Python
 _LAUNCH = None
 RUNTIMES = {"cuda": (("libcuda.so.1",), "cuLaunchHostFunc"),
             "hip": (("libamdhip64.so", "libamdhip64.so.6", "libgalaxyhip.so"), "hipLaunchHostFunc")}  # fmt: skip
@@ -52,9 +50,6 @@ def launcher():
             raise RuntimeError(f"PLE rows from files need {symbol} to run host reads in stream order: {'; '.join(errors)}")
         launch.argtypes, launch.restype = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p], ctypes.c_int
         _LAUNCH = launch
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            logger.info("Host functions need the GIL: switch interval %.1f -> %.1f ms.", sys.getswitchinterval() * 1e3, SWITCH_INTERVAL_S * 1e3)
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
     return _LAUNCH
 
 
