@@ -76,7 +76,7 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
     blocks, 4 warps (8 lost everywhere). Up to WHOLE_ROWS_MAX_TOKENS also `whole_rows` (vLLM's CuTe FMA kernel's scheme,
     1-2 columns a program, every weight loaded before the wait; the K loop's split 1 with 1-2 columns, its stand-in
-    until session 19, lost to 10 splits by 15-30 %)."""
+    until session 19, lost to 10 splits by 14-40 % in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))

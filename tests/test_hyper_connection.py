@@ -153,7 +153,8 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
 )
 def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, whole_rows):
     """Every launch the sweep could pick, on shapes no block divides: K spans ending mid-block, splits with nothing
-    to add, a program per column, whole rows of any K (a power of two: no tail); the counters end at zero."""
+    to add, a program per column, whole rows of any K (with a masked tail, none at a power of two); the counters
+    end at zero."""
     assume((tokens <= hc.WHOLE_ROWS_MAX_TOKENS) if whole_rows else (tokens == 1 or block_n >= 16))
     x = _randn(tokens, k, dtype=torch.float32, seed=k)
     weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
