@@ -171,9 +171,9 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
         "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
     }
     counts, down_w = torch.zeros(hyper_connection.DOWN_SILU_TILES, dtype=torch.int32), torch.zeros(merged.shape[1], hc * h, dtype=torch.bfloat16)
-    for tokens in (1, 32):  # multiply-adds, and dots
+    for tokens, kernel in ((1, "_down_silu_rows_kernel"), (32, "_down_silu_kernel")):  # whole rows, and split-K dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
-        calls[f"down-silu-{tokens}"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
+        calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
     return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
 
 
