@@ -19,6 +19,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      rows resident (from served traffic), the rest read from the checkpoint's files per lookup
                      (at 100 % every row is resident: the tier's own cost, the host round trip per lookup)
                      (`ple.file_rows`; the reads are host nodes of the decode step's full CUDA graph)
+  host_int8_sync, host_int8_files20_sync  host_int8 and host_int8_files20 with vLLM's async scheduling off: the
+                     engine thread waits on the GPU, GIL released, instead of running the next step's Python (tells
+                     whether the file tier's host function waits for the GIL)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (the file tier's
                      mode until its reads were captured in full graphs; sessions 8-17 measured it beside them)
 Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt, 64 new tokens, from the engine's own token
@@ -79,6 +82,8 @@ VARIANTS = {
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
     # 100 %: a little over the table's bytes, so float rounding of the GiB setting cannot leave one row in the files
     **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100 if p < 100 else 1.001}, "int8") for p in (100, 50, 20, 5)},
+    "host_int8_sync": ({}, {"async_scheduling": False}, "int8"),
+    "host_int8_files20_sync": ({}, {"host_table_share": 0.2, "async_scheduling": False}, "int8"),
     "host_int8_piecewise": ({}, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, "int8"),
     "host_fp8": ({}, {}, "fp8"),
     # vLLM's GDN asserts a spelled-out output gate; transformers resolves an unset one to `hidden_act`.
@@ -137,23 +142,25 @@ ENGINE = dict(
 
 
 def tensor_bytes(model) -> dict:
-    """GPU bytes of every parameter/buffer plus PLE tables by device (tables are not parameters), and the
-    largest GPU tensors by name (where a class keeps a copy of a table, it shows)."""
+    """GPU bytes of every parameter/buffer plus PLE tables by device (tables are not parameters), the largest GPU
+    tensors by name (where a class keeps a copy of a table, it shows), and our PLE tables' own accounts."""
     import torch
 
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     on_gpu = {n: t.numel() * t.element_size() for n, t in named.items() if t.is_cuda}
     gpu = sum(on_gpu.values())
     tables = {"gpu": 0, "host": 0}
+    described = []  # ours: each PLE table's own account (the file tier's: resident rows, its host function's time)
     from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
 
     if isinstance(model, Qwen4ExpForCausalLM):
         for t in model.ple_storage():
             tables["host" if t["device"] == "cpu" else "gpu"] += t["bytes"]
+            described.append(t["describe"])
     else:  # vLLM's own class keeps its tables as parameters or plain tensors: count what is on the host
         tables["host"] = sum(t.numel() * t.element_size() for t in named.values() if not t.is_cuda)
     return {"gpu_weights": gpu + tables["gpu"], "ple_gpu": tables["gpu"], "ple_host": tables["host"],
-            "cuda_allocated": torch.cuda.memory_allocated(),
+            "cuda_allocated": torch.cuda.memory_allocated(), "ple_tables": described,
             "largest_gpu_tensors": dict(sorted(on_gpu.items(), key=lambda kv: -kv[1])[:5])}  # fmt: skip
 
 
@@ -523,13 +530,13 @@ def decode_ratios(results: dict) -> dict:
     """Ours against each reference measured on the same prompts in the same round: keys VARIANT[@SOURCE][@cold][#ROUND]
     -> {"KEY/REF_KEY": {batch: ratio}}."""
     ours = ("host_int8", "host_int8_serial", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
-            *(f"host_int8_files{p}" for p in (100, 50, 20, 5)))  # fmt: skip
+            *(f"host_int8_files{p}" for p in (100, 50, 20, 5)), "host_int8_files20_sync")  # fmt: skip
     ratios = {}
     for key in results:
         name, at, kind = key.partition("#")[0].partition("@")
         if name not in ours:
             continue
-        for ref in ("host_int8", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
+        for ref in ("host_int8", "host_int8_sync", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             ref += key[len(name):]
             if key != ref and all("decode_tokens_per_s" in results.get(k, {}) for k in (key, ref)):
                 ratios[f"{key}/{ref}"] = {

@@ -17,6 +17,8 @@ def test_the_host_function_gets_its_argument():
     call._trampoline(ctypes.c_void_p(2 * 1234 + 1))  # as the driver calls it
     call._trampoline(None)  # a null pointer is 0
     assert seen == [2469, 0]
+    assert call.stats.calls == 2 and 0 < call.stats.longest <= call.stats.seconds  # its own time, for reports
+    assert call.stats.describe().startswith("host function 2 calls")
 
 
 def test_a_method_is_held_weakly():

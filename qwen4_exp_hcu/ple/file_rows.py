@@ -345,7 +345,8 @@ class FileRows:
         return MappedRows(self, part)
 
     def describe(self) -> str:
-        return f"{int((self.slot_row >= 0).sum())}/{self.slots} rows resident ({self.refreshes} promotions, last served {self.share:.0%}), the rest read from {self.tier.files.directory}"
+        where = f"{int((self.slot_row >= 0).sum())}/{self.slots} rows resident ({self.refreshes} promotions, last served {self.share:.0%}), the rest read from {self.tier.files.directory}"
+        return where if not self._host.stats.calls else f"{where}; {self._host.stats.describe()}"
 
 
 class MappedRows:

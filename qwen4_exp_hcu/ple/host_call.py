@@ -18,10 +18,12 @@ import ctypes
 import logging
 import os
 import sys
+import time
 import traceback
 import types
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +58,21 @@ def launcher():
 _TRAMPOLINES = []  # never freed: a captured graph or a queued launch may call one after its owner has gone
 
 
+@dataclass
+class HostCallStats:
+    """The function's own time on the driver's thread (from when it holds the GIL): set against the GPU's wait for
+    it, what is left is the wait for the GIL."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    longest: float = 0.0
+
+    def describe(self) -> str:
+        if not self.calls:
+            return "host function never ran"
+        return f"host function {self.calls} calls, {self.seconds / self.calls * 1e3:.3f} ms mean, {self.longest * 1e3:.2f} ms longest"
+
+
 class HostCall:
     """`fn(arg: int)` launched in a stream's order (`launch(stream, arg)`), captured by CUDA graphs. A bound
     method is held weakly: its owner (the file tier's rows) holds this object, and a reference cycle would leave
@@ -63,6 +80,7 @@ class HostCall:
 
     def __init__(self, fn: Callable[[int], None], what: str) -> None:
         self.what = what
+        self.stats = stats = HostCallStats()
         target = weakref.WeakMethod(fn) if isinstance(fn, types.MethodType) else (lambda: fn)
 
         def run(arg) -> None:
@@ -70,7 +88,10 @@ class HostCall:
             if f is None:  # its owner is gone, and with it every lookup that would read what it stages
                 return
             try:
+                t0 = time.perf_counter()
                 f(arg or 0)
+                took = time.perf_counter() - t0
+                stats.calls, stats.seconds, stats.longest = stats.calls + 1, stats.seconds + took, max(stats.longest, took)
             except BaseException:  # nothing can be raised into the stream: the kernels after it would read stale rows
                 logger.critical("%s failed on the driver's host thread; stopping the process:\n%s", what, traceback.format_exc())
                 sys.stderr.flush()
