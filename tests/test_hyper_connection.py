@@ -165,12 +165,21 @@ def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, bl
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_down_silu_reads_rows_at_any_stride(device):
+@pytest.mark.parametrize("tokens", [1, 3])  # whole rows, split-K dots
+def test_down_silu_reads_rows_at_any_stride(device, tokens):
     """ROCm's vLLM pads a weight's rows against cache aliasing; the inputs may be a slice of a wider tensor."""
-    x, weight, counts = _down_silu_inputs(3, torch.bfloat16, device)
-    wide_x, wide_w = torch.zeros(3, 700, dtype=x.dtype, device=device), torch.zeros(40, 664, dtype=x.dtype, device=device)
+    x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
+    wide_x, wide_w = torch.zeros(tokens, 700, dtype=x.dtype, device=device), torch.zeros(40, 664, dtype=x.dtype, device=device)
     wide_x[:, :600], wide_w[:, :600] = x, weight
     got = hc.down_silu(wide_x[:, :600], wide_w[:, :600], 30, 4.0, counts)
+    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [512, 1, 3])  # a power of two (no tail), the smallest K, a tail wider than the rest
+def test_whole_rows_of_any_width(device, k):
+    x, weight, counts = _down_silu_inputs(2, torch.bfloat16, device, k=k)
+    got = hc.down_silu(x, weight, 30, 4.0, counts, hc.DownSiluConfig(whole_rows=True))
     _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
 
 

@@ -151,11 +151,11 @@ def _down_silu_kernel(
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
-    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly (vLLM's
-    CuTe kernel's scheme: a program per column reading its whole weight row; K's loop unrolled as a constant lost by
-    24 %, so it went). The first K block's weights load before the wait for the previous kernel (`launch_pdl`):
-    they are parameters, not its output, so with 10 splits of one K block at one token, all of a launch's weight
-    reads overlap the kernel before it."""
+    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly. The
+    first K block's weights load before the wait for the previous kernel (`launch_pdl`): they are parameters, not
+    its output, so with 10 splits of one K block at one token, all of a launch's weight reads overlap the kernel
+    before it. The model's default from 2 rows; at one row `_down_silu_rows_kernel` is (this one there only with
+    `whole_rows=False`, for the sweep)."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -326,8 +326,9 @@ def gate_mix(
 
 
 # above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
-# own weights (from HBM, as in serving), DownSiluConfig's defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
-# at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without; benchmarks/results/hyper_connection); in serving, 560 against 802 us per 48-layer step at one token
+# own weights (from HBM, as in serving), session 14's split-K defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
+# at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without); in serving, 560 against 802 us per 48-layer step at
+# one token. At one token whole rows since session 19: 2.10x (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
 WHOLE_ROWS_MAX_TOKENS = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
@@ -335,7 +336,7 @@ DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-spl
 
 @dataclass(frozen=True)
 class DownSiluConfig:
-    """`down_silu`'s launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
+    """`down_silu`'s split-K launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
     (None: 256 with `tl.dot`, 1024 without), or whole weight rows. The defaults: the H200 sweep's best at the
     release's shape, weights beyond L2 (session 13; whole rows at one row from session 19, 0.86x vLLM's CuTe kernel
@@ -344,7 +345,7 @@ class DownSiluConfig:
     split: int = 10
     block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`
+    num_warps: int | None = None  # None: 2 at one row and for whole rows, 4 with `tl.dot`
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` up to WHOLE_ROWS_MAX_TOKENS rows (split, block_k unused);
     # None: at one row only (session 19's sweep: 4.28 against 4.97 us for 10 splits; at 4 rows 7.58 against 6.81)
 
