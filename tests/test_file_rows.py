@@ -255,70 +255,131 @@ def test_a_lookup_queues_its_file_reads_without_waiting(checkpoints):
     assert torch.equal(out.cpu(), whole.lookup(ids.cpu()))
 
 
-def test_promotions_work_on_the_rows_read_not_the_table(monkeypatch):
+def _synthetic_rows(path, n: int, slots: int, **tier) -> "FileRows":
+    """File rows over a one-tensor checkpoint of `n` rows of 4 bytes (row r holds r's low bytes), `slots` resident."""
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.ple.file_rows import FileRows
+
+    save_file({"model.layers.0.ple.weight": torch.arange(n, dtype=torch.int32).view(torch.int8).view(n, 4)}, path / "model.safetensors")
+    buffers = {}
+
+    def resize(rows, keep=0):
+        buffers["weight"] = torch.zeros((rows, 4), dtype=torch.int8)
+        return dict(buffers)
+
+    rows = FileRows(FileTier(CheckpointFiles(path), slots * 4, **tier), 0, n, n, 4, resize)
+    rows.add_shard(0, {"weight": "model.layers.0.ple.weight"})
+    rows.loaded()
+    return rows
+
+
+def _read(rows, ids) -> None:
+    """A lookup's host part: `ids` counted and their rows staged (through the C host function)."""
+    rows.stage(torch.as_tensor(ids, dtype=torch.int64))
+
+
+def test_promotions_work_on_the_rows_read_not_the_table(monkeypatch, tmp_path):
     """At the release's 80 M rows per rank, partitioning every row's count took seconds per promotion. Promotions
     now partition only the rows counted since their counts were last zero; a resident row keeps its slot until a
     newcomer needs one (clock order); the slot maps stay each other's inverse."""
     import numpy as np
 
-    from qwen4_exp_hcu.ple.file_rows import FileRows
-
-    n, slots, row_bytes = 1_000_000, 64, 4
-    buffers = {}
-
-    def resize(rows, keep=0):
-        buffers["weight"] = torch.zeros((rows, row_bytes), dtype=torch.int8)
-        return dict(buffers)
-
-    tier = FileTier(files=None, resident_bytes=slots * row_bytes, refresh_every=4, staging_rows=256)
-    rows = FileRows(tier, 0, n, n, row_bytes, resize)
-    monkeypatch.setattr(rows, "_read_into_slots", lambda r, s: None)  # no files: the bookkeeping alone
+    n = 1_000_000
+    rows = _synthetic_rows(tmp_path, n, 64, refresh_every=4, staging_rows=256)
+    monkeypatch.setattr(rows, "_read_into_slots", lambda r, s: None)  # the bookkeeping alone
     sizes = []
     partition = np.argpartition
     monkeypatch.setattr(np, "argpartition", lambda a, k: sizes.append(a.size) or partition(a, k))
     rng = np.random.default_rng(0)
     first = np.arange(40)
     for _ in range(4):  # 40 rows read, 64 slots: all become resident
-        rows._count(first)
+        _read(rows, first)
     assert sorted(rows.slot_row[rows.slot_row >= 0].tolist()) == first.tolist()
     for _ in range(4):  # 30 other rows, read more often: they take the 24 empty slots and 6 of the first rows'
-        rows._count(np.repeat(np.arange(1000, 1030), 3))
+        _read(rows, np.repeat(np.arange(1000, 1030), 3))
     resident = set(rows.slot_row[rows.slot_row >= 0].tolist())
     assert set(range(1000, 1030)) <= resident and len(resident & set(first.tolist())) == 34
     for _ in range(16):
-        rows._count(rng.integers(0, n, 50))
+        _read(rows, rng.integers(0, n, 50))
     assert rows.refreshes == 6 and max(sizes) <= 4 * 50 + 70 < n
     held = rows.slot_row >= 0
     assert (rows.slot_of[rows.slot_row[held]] == np.flatnonzero(held)).all()
     assert (rows.slot_of >= 0).sum() == held.sum()
 
 
-def test_a_promotion_reads_at_most_promote_rows_newcomers_the_most_read_first(monkeypatch):
+def test_a_promotion_reads_at_most_promote_rows_newcomers_the_most_read_first(monkeypatch, tmp_path):
     """A promotion runs inside a lookup. After a long prefill an uncapped one read every counted row from the files
     at once (139-167 ms of one decode lookup on this machine, `bench_file_promotions`); now `promote_rows` newcomers at a
     time, the most counted first, and later promotions bring the rest."""
     import numpy as np
 
-    from qwen4_exp_hcu.ple.file_rows import FileRows
-
-    n, slots, row_bytes = 1000, 64, 4
-    buffers = {}
-
-    def resize(rows, keep=0):
-        buffers["weight"] = torch.zeros((rows, row_bytes), dtype=torch.int8)
-        return dict(buffers)
-
-    tier = FileTier(files=None, resident_bytes=slots * row_bytes, refresh_every=1, promote_rows=8, staging_rows=256)
-    rows = FileRows(tier, 0, n, n, row_bytes, resize)
+    rows = _synthetic_rows(tmp_path, 1000, 64, refresh_every=1, promote_rows=8, staging_rows=256)
     read = []
     monkeypatch.setattr(rows, "_read_into_slots", lambda r, s: read.append(r.size))
-    rows._count(np.concatenate([np.arange(40), np.repeat(np.arange(100, 105), 3)]))  # a prefill: 45 rows counted
+    _read(rows, np.concatenate([np.arange(40), np.repeat(np.arange(100, 105), 3)]))  # a prefill: 45 rows counted
     resident = set(rows.slot_row[rows.slot_row >= 0].tolist())
     assert read == [8] and set(range(100, 105)) <= resident and len(resident) == 8
     assert rows.share == pytest.approx((15 + 3) / (40 + 15))  # what the resident rows serve of the counts
     for _ in range(5):  # the rows read once were forgotten (counts halve); read again, they come 8 at a time
-        rows._count(np.arange(40))
+        _read(rows, np.arange(40))
     assert read == [8, 8, 8, 8, 8, 5] and int((rows.slot_row >= 0).sum()) == 45
+
+
+def test_a_shard_the_files_lack_fails_at_load_naming_it(tmp_path):
+    """Rows in two checkpoint shards of 500, only the first mapped: `loaded` names the second (the C host function
+    would otherwise read through a null pointer)."""
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.ple.file_rows import FileRows
+
+    save_file({"model.layers.0.ple.weight": torch.zeros(500, 4, dtype=torch.int8)}, tmp_path / "model.safetensors")
+    rows = FileRows(FileTier(CheckpointFiles(tmp_path), 0), 0, 1000, 500, 4, lambda n, keep=0: {"weight": torch.zeros(n, 4, dtype=torch.int8)})
+    rows.add_shard(0, {"weight": "model.layers.0.ple.weight"})
+    with pytest.raises(ValueError, match="checkpoint shard 1 of the table's rows was not found in"):
+        rows.loaded()
+
+
+def test_a_full_list_of_candidates_promotes_early(tmp_path):
+    """Rows first read since the last promotion are its candidates, `FRESH_ROWS` of them at most: a lookup that
+    reads more (a long prefill) promotes as the list fills, and counts every row once."""
+    import numpy as np
+
+    from qwen4_exp_hcu.ple import file_rows
+
+    rows = _synthetic_rows(tmp_path, 1000, 8, refresh_every=1000, staging_rows=256)
+    rows._fresh = np.empty(10, dtype=np.int64)  # as `FRESH_ROWS` = 10
+    rows._state.fresh, rows._state.fresh_cap = rows._fresh.ctypes.data, 10
+    _read(rows, np.repeat(np.arange(100, 125), 2))  # 25 rows: promotions at the 11th and the 21st
+    assert rows.refreshes == 2 and rows._state.fresh_len == 5 and file_rows.FRESH_ROWS > 1000
+    held = rows.slot_row[rows.slot_row >= 0]
+    assert held.size == 8 and set(held.tolist()) <= set(range(100, 120))
+
+
+def test_the_host_function_stages_exactly_what_the_numpy_reference_does(tmp_path):
+    """`stage.c` against numpy over random lookups with repeats, unowned ids and hot-row flags: buffer rows point at
+    the right bytes (resident or staged once per distinct row), -1 where not owned, 0 where the cache serves."""
+    import numpy as np
+
+    n = 5000
+    rows = _synthetic_rows(tmp_path, n, 300, refresh_every=3, staging_rows=64)
+    rng = np.random.default_rng(1)
+    table = torch.arange(n, dtype=torch.int32).view(torch.int8).view(n, 4)
+    total = 0
+    for step in range(20):
+        ids = torch.from_numpy(np.where(rng.random(200) < 0.5, rng.integers(0, 40, 200), rng.integers(-5, n + 5, 200)))
+        cached = torch.from_numpy(rng.random(200) < 0.2)
+        slot = rows.stage(ids, cached if step % 2 else None)
+        owned = (ids >= 0) & (ids < n)
+        served = owned & cached if step % 2 else torch.zeros_like(owned)
+        assert torch.equal(slot[~owned], torch.full_like(slot[~owned], -1)) and not slot[served].any()
+        read = owned & ~served
+        assert torch.equal(rows.buffers["weight"][slot[read]], table[ids[read]]), step
+        staged = slot[read][slot[read] >= rows.slots]  # none when this lookup's promotion made every row resident
+        distinct = ids[read][slot[read] >= rows.slots].unique().numel()
+        assert staged.unique().numel() == distinct == (staged.max() - rows.slots + 1 if distinct else 0)
+        total += distinct
+    assert rows.refreshes == 6 and rows.host_stats().calls == 20 and total > 1000
 
 
 def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):

@@ -1,58 +1,79 @@
 """`ple.host_call`: host work in a GPU stream's order. On the GPU the file tier's tests run it inside CUDA graphs
-(`tests/test_file_rows.py`); here, what holds on any machine: the trampoline hands its argument over, a failure
-stops the process naming the work (the kernels after it would read stale rows), and the launcher is the
-runtime's own (`cuLaunchHostFunc`, `hipLaunchHostFunc` on ROCm and HCU), a platform without it failing by name."""
+(`tests/test_file_rows.py`); here, what holds on any machine: the C host function runs as the driver calls it, a
+Python callback from it is held weakly and a failure there stops the process naming the work (the kernels after it
+would read stale rows), the C library builds or fails naming the compiler, and the launcher is the runtime's own
+(`cuLaunchHostFunc`, `hipLaunchHostFunc` on ROCm and HCU), a platform without it failing by name."""
 
 import ctypes
 
 import pytest
 import torch
 
-from qwen4_exp_hcu.ple import host_call
+from qwen4_exp_hcu.ple import host_call, stager
 
 
-def test_the_host_function_gets_its_argument():
-    seen = []
-    call = host_call.HostCall(seen.append, "a test")
-    call._trampoline(ctypes.c_void_p(2 * 1234 + 1))  # as the driver calls it
-    call._trampoline(None)  # a null pointer is 0
-    assert seen == [2469, 0]
-    assert call.stats.calls == 2 and 0 < call.stats.longest <= call.stats.seconds  # its own time, for reports
-    assert call.stats.describe().startswith("host function 2 calls")
-
-
-def test_a_method_is_held_weakly():
-    """The file tier's rows own their host call: without a cycle between them, they are freed when dropped, in the
-    thread that drops them, not by a garbage collection that may run on the driver's thread."""
+def test_a_callback_runs_and_a_method_is_held_weakly():
+    """The file tier's rows own their promotion callback: without a cycle between them, they are freed when dropped,
+    in the thread that drops them, not by a garbage collection that may run on the driver's thread."""
     import weakref
 
     class Owner:
         def __init__(self):
-            self.seen = []
-            self.call = host_call.HostCall(self.stage, "a test")
+            self.seen = 0
+            self.callback = host_call.guarded(self.promote, "a test")
 
-        def stage(self, arg):
-            self.seen.append(arg)
+        def promote(self):
+            self.seen += 1
 
     owner = Owner()
-    owner.call._trampoline(ctypes.c_void_p(6))
-    assert owner.seen == [6]
-    trampoline, gone = owner.call._trampoline, weakref.ref(owner)
+    owner.callback()  # as the C host function calls it
+    assert owner.seen == 1
+    callback, gone = owner.callback, weakref.ref(owner)
     del owner
     assert gone() is None  # freed by its reference count alone
-    trampoline(ctypes.c_void_p(8))  # a graph replaying it later finds nothing to do
+    callback()  # a graph replaying it later finds nothing to do
 
 
 def test_a_failure_stops_the_process_naming_the_work(monkeypatch, caplog):
     stopped = []
     monkeypatch.setattr(host_call.os, "abort", lambda: stopped.append(True))
 
-    def fails(arg):
-        raise OSError(f"file gone ({arg})")
+    def fails():
+        raise OSError("file gone")
 
-    host_call.HostCall(fails, "PLE rows from files: staging")._trampoline(ctypes.c_void_p(7))
+    host_call.guarded(fails, "PLE rows from files: promoting")()
     assert stopped == [True]
-    assert "PLE rows from files: staging failed" in caplog.text and "file gone (7)" in caplog.text
+    assert "PLE rows from files: promoting failed" in caplog.text and "file gone" in caplog.text
+
+
+def test_the_host_function_is_c_and_runs_as_the_driver_calls_it():
+    """The host node's function is `qwen4_ple_stage_call(Call *)` of the built library: called through its address
+    with a `Call` (a retired stager, as after its rows are gone: nothing to do) it returns, and needs no GIL."""
+    function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(stager.host_function())
+    state = stager.Stager(alive=0)
+    call = stager.Call(ctypes.pointer(state), 5, 0)
+    function(ctypes.addressof(call))
+    assert state.calls == 0
+
+
+def test_no_c_compiler_fails_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(stager, "_LIB", None)
+    monkeypatch.setenv(stager.CACHE_ENV, str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(stager.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"need a C compiler \(CC=/nonexistent/cc is not one\).*stage.c"):
+        stager.library()
+
+
+def test_the_library_builds_once_into_its_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(stager, "_LIB", None)
+    monkeypatch.setenv(stager.CACHE_ENV, str(tmp_path))
+    stager.library()
+    built = list(tmp_path.glob("stage-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(stager, "_LIB", None)
+    monkeypatch.setattr(stager.subprocess, "run", None)  # a second load compiles nothing
+    stager.library()
 
 
 class _Library:

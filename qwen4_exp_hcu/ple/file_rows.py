@@ -7,8 +7,8 @@ buffer that holds the resident rows followed by the staging area. The bytes are 
 are exact. Accelerators that read pageable host memory directly could skip the staging copy, but the H200
 this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
 takes the host gather. On an accelerator it runs in the stream's order on the driver's host thread
-(`ple.host_call`): the ids go to pinned memory, the host function stages the rows and writes the remapped
-ids to pinned memory, and they go back, all queued without a host sync. CUDA graphs capture it as a host
+(`ple.host_call`): the ids go to pinned memory, the host function (C, `ple/stage.c`: it needs no GIL) stages
+the rows and writes the remapped ids to pinned memory, and they go back, all queued without a host sync. CUDA graphs capture it as a host
 node, so it runs in full decode graphs too, and the lookup overlaps the previous decoder layer.
 
 Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
@@ -21,20 +21,24 @@ counted here, so host memory keeps the next most read rows, and it copies its ne
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qwen4_exp_hcu.ple.host_call import HostCall, launcher
+from qwen4_exp_hcu.ple import stager
+from qwen4_exp_hcu.ple.host_call import HostCallStats, guarded, launch, launcher
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
+FRESH_ROWS = 1 << 20  # rows first read since the last promotion that bring the next one forward (8 MB of candidates)
 # pinned per id of a lookup, shared with its host function: the id, the hot-row cache's flag, the buffer row
 IO_DTYPES = {"ids": torch.int64, "cached": torch.bool, "slot": torch.int64}
 
@@ -138,24 +142,43 @@ class FileRows:
     def __init__(self, tier: FileTier, start: int, n: int, shard_rows: int, row_bytes: int, resize) -> None:
         self.tier, self.start, self.n, self.shard_rows = tier, start, n, shard_rows
         self.slots = slots = resident_slots(tier.resident_bytes, n, row_bytes)
-        self._resize = resize
-        self._set_buffers(resize(slots + tier.staging_rows))
-        self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
         self.slot_row = np.full(slots, -1, dtype=np.int32)  # resident slot -> owned row (a rank owns < 2**31 rows)
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
-        self._counted: list[np.ndarray] = []  # rows whose count is > 0 (each once), the rest stay 0: promotions never scan the table
-        self._lookups, self._done, self._clock = 0, None, 0
+        # the C host function's state (`ple/stage.c`); it counts each lookup's rows, and every `refresh_every`
+        # lookups calls `_promote_from_traffic` over the rows counted from zero since (`_fresh`) and those whose
+        # count survived the last halving (`_carried`): promotions never scan the table
+        stager.library()  # built now: no C compiler fails at load
+        self._state = state = stager.Stager(start=start, n=n, shard_rows=shard_rows, slots=slots, alive=1,
+                                            slot_of=self.slot_of.ctypes.data)  # fmt: skip
+        weakref.finalize(self, _retire, state)
+        if self.counts is not None:
+            self._fresh = np.empty(min(n, FRESH_ROWS), dtype=np.int64)
+            self._carried = np.empty(0, dtype=np.int64)
+            state.counts, state.fresh, state.fresh_cap = self.counts.ctypes.data, self._fresh.ctypes.data, self._fresh.size
+            state.refresh_every = tier.refresh_every
+            state.promote = guarded(self._promote_from_traffic, "PLE rows from files: promoting the most read rows")
+        self.files: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
+        self._resize = resize
+        self._set_buffers(resize(slots + tier.staging_rows))
+        first = start // shard_rows
+        self._src = np.zeros((max(0, (start + n - 1) // shard_rows - first + 1), len(self.buffers)), dtype=np.uintp)
+        state.first_shard, state.n_shards, state.n_parts, state.src = first, *self._src.shape, self._src.ctypes.data
+        self._clock = 0
+        self._done = None
         self.refreshes, self.share = 0, 0.0
-        self._io: dict[str, np.ndarray] = {}  # pinned ids / cached / slots of a lookup, shared with the host function
-        self._captured = False  # a CUDA graph holds the buffers' addresses: they can no longer be reallocated
+        self._io: dict[str, np.ndarray] = {}  # ids / cached / slots of a lookup (pinned on an accelerator), read by C
         self._io_tensors: dict[str, torch.Tensor] = {}
-        self._host = HostCall(self._stage_in_stream, "PLE rows from files: staging a lookup's rows")
+        self._captured = False  # a CUDA graph holds the buffers' addresses: they can no longer be reallocated
+        self._calls: dict[tuple[int, bool], int] = {}  # (ids, flagged) -> address of the host node's argument
 
     def _set_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """The per-row buffers, and their bytes as numpy arrays: what the host function writes (no torch there)."""
         self.buffers = buffers
         self._bytes = {part: byte_rows(t) for part, t in buffers.items()}
+        self._dst = np.array([b.ctypes.data for b in self._bytes.values()], dtype=np.uintp)
+        self._row_bytes = np.array([b.shape[1] for b in self._bytes.values()], dtype=np.int64)
+        self._state.dst, self._state.row_bytes = self._dst.ctypes.data, self._row_bytes.ctypes.data
 
     @property
     def staging(self) -> int:
@@ -169,9 +192,15 @@ class FileRows:
             if mm.shape[1] != want:
                 raise ValueError(f"{name}: {mm.shape[1]} bytes per row in the file, the table stores {want}.")
             self.files.setdefault(j, {})[part] = mm
+            self._src[j - self._state.first_shard, list(self.buffers).index(part)] = mm.ctypes.data
 
     def loaded(self) -> None:
-        """After the shards are mapped: a budget that holds every owned row makes them all resident now."""
+        """After the shards are mapped (each one that holds owned rows, else an error naming it): a budget that holds
+        every owned row makes them all resident now."""
+        unmapped = np.flatnonzero((self._src == 0).any(axis=1))
+        if unmapped.size:
+            raise ValueError(f"PLE rows from files: checkpoint shard {self._state.first_shard + int(unmapped[0])} of the "
+                             f"table's rows was not found in {self.tier.files.directory}.")  # fmt: skip
         if self.slots == self.n:
             every = np.arange(self.n)
             self._read(every, 0)
@@ -206,10 +235,10 @@ class FileRows:
             self._done.record()
 
     def _reserve(self, n: int, device: torch.device) -> None:
-        """Staging (and, on an accelerator, the pinned ids and slots) for `n` row ids. Serving sizes them at
+        """Staging and a lookup's ids and slots (pinned on an accelerator) for `n` row ids. Serving sizes them at
         start-up for its largest step; growing re-pins host memory, which no CUDA graph may capture."""
         io_rows = len(self._io["ids"]) if self._io else 0
-        if n <= self.staging and (device.type != "cuda" or n <= io_rows):
+        if n <= self.staging and n <= io_rows:
             return
         if device.type == "cuda":
             if self._captured or torch.cuda.is_current_stream_capturing():
@@ -219,12 +248,18 @@ class FileRows:
             torch.cuda.synchronize(device)  # in-flight host functions and kernels use the old buffers
         if n > self.staging:
             self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
-        if device.type == "cuda" and n > io_rows:
+        if n > io_rows:
             from qwen4_exp_hcu.ple.host_memory import pinned_empty
 
             size = max(n, self.staging)
-            self._io_tensors = {k: pinned_empty((size,), dtype) for k, dtype in IO_DTYPES.items()}
-            self._io = {k: t.numpy() for k, t in self._io_tensors.items()}
+            empty = pinned_empty if device.type == "cuda" else lambda shape, dtype: torch.empty(shape, dtype=dtype)
+            self._io_tensors = {k: empty((size,), dtype) for k, dtype in IO_DTYPES.items()}
+            self._io = io = {k: t.numpy() for k, t in self._io_tensors.items()}
+            self._keys = np.empty(2 << max(4, (size - 1).bit_length()), dtype=np.int64)  # >= 2 x the ids, a power of two
+            self._vals = np.empty_like(self._keys)
+            state = self._state
+            state.ids, state.cached, state.slot = io["ids"].ctypes.data, io["cached"].ctypes.data, io["slot"].ctypes.data
+            state.keys, state.vals, state.table_size = self._keys.ctypes.data, self._vals.ctypes.data, self._keys.size
 
     def stage(self, ids: torch.Tensor, cached: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] global row ids -> ids into the buffers (resident slot or staging row; -1 where not owned),
@@ -233,42 +268,31 @@ class FileRows:
         On an accelerator the host part is queued in the current stream (`ple.host_call`), not waited for."""
         n = ids.numel()
         self._reserve(n, ids.device)
-        if ids.device.type != "cuda":
-            flags = None if cached is None else cached.reshape(-1).numpy()
-            return torch.from_numpy(self._stage(ids.reshape(-1).to(torch.int64).numpy(), flags)).view(ids.shape)
+        io, flagged = self._io_tensors, cached is not None
+        if ids.device.type != "cuda":  # through numpy: the buffers may be inference tensors, allocated in a forward
+            self._io["ids"][:n] = ids.reshape(-1).numpy()
+            if flagged:
+                self._io["cached"][:n] = cached.reshape(-1).numpy()
+            stager.library().qwen4_ple_stage(ctypes.byref(self._state), n, flagged)
+            return torch.from_numpy(self._io["slot"][:n].copy()).view(ids.shape)
         stream, capturing = torch.cuda.current_stream(ids.device), torch.cuda.is_current_stream_capturing()
         self._captured |= capturing
         if self._done is not None and not capturing:
             stream.wait_event(self._done)  # the last eager lookup's kernel, perhaps on another stream, read staging
             # (a graph's lookups record nothing: the caller orders work after a replay, as `ple.prefetch` does)
-        io = self._io_tensors
         io["ids"][:n].copy_(ids.reshape(-1), non_blocking=True)
-        if cached is not None:
+        if flagged:
             io["cached"][:n].copy_(cached.reshape(-1), non_blocking=True)
-        self._host.launch(stream, 2 * n + (cached is not None))
+        launch(stream, stager.host_function(), self._call(n, flagged), "PLE rows from files: staging a lookup's rows")
         return io["slot"][:n].to(ids.device, non_blocking=True).view(ids.shape)
 
-    def _stage_in_stream(self, arg: int) -> None:
-        """The host function: `arg` = 2 x the id count + whether hot-row flags came. Host memory only."""
-        n, io = arg >> 1, self._io
-        io["slot"][:n] = self._stage(io["ids"][:n], io["cached"][:n] if arg & 1 else None)
-
-    def _stage(self, ids: np.ndarray, cached: np.ndarray | None) -> np.ndarray:
-        """`stage` on the host: global row ids -> buffer rows (int64), the misses read into staging."""
-        local = ids - self.start
-        owned = (local >= 0) & (local < self.n)
-        need = owned if cached is None else owned & ~cached
-        wanted = local[need]
-        if self.counts is not None:  # promotions pass through staging: before this lookup stages its rows
-            self._count(wanted)
-        at = self.slot_of[wanted]
-        miss = at < 0
-        rows, inverse = np.unique(wanted[miss], return_inverse=True)
-        self._read(rows, self.slots)
-        at[miss] = self.slots + inverse.reshape(-1)
-        slot = np.where(owned, 0, -1)
-        slot[need] = at
-        return slot
+    def _call(self, n: int, flagged: bool) -> int:
+        """The host node's argument for a lookup of `n` ids, one per size, kept for good: graphs replay it."""
+        if (n, flagged) not in self._calls:
+            call = stager.Call(ctypes.pointer(self._state), n, flagged)
+            _CALLS.append(call)
+            self._calls[n, flagged] = ctypes.addressof(call)
+        return self._calls[n, flagged]
 
     def fill(self, ids: torch.Tensor) -> float:
         """Make the rows most frequent in a calibration id stream resident; the share of its owned lookups they serve."""
@@ -276,20 +300,17 @@ class FileRows:
         self._wait()
         return self.promote(*np.unique(local[(local >= 0) & (local < self.n)], return_counts=True))
 
-    def _count(self, rows: np.ndarray) -> None:
-        """Count a lookup's rows; every `refresh_every` lookups promote the most counted and halve the counts.
-        The work follows the rows read, not the table: over every row's count, a promotion at the release's
-        80 M rows per TP4 rank took 2.9 s (a partition of all counts) on a 2-core host, every 256 lookups."""
-        rows, times = np.unique(rows, return_counts=True)  # np.add.at took 8x as long (numpy 2.3, 4 096 ids)
-        self._counted.append(rows[self.counts[rows] == 0])
-        self.counts[rows] += times.astype(self.counts.dtype)
-        self._lookups += 1
-        if self._lookups >= self.tier.refresh_every:
-            self._lookups = 0
-            counted = np.concatenate(self._counted)
-            self.promote(counted, self.counts[counted], self.tier.promote_rows)
-            self.counts[counted] >>= 1
-            self._counted = [counted[self.counts[counted] > 0]]
+    def _promote_from_traffic(self) -> None:
+        """Called by the C host function every `refresh_every` lookups (or once `FRESH_ROWS` rows were first read
+        since the last): the most counted rows become resident, then counts halve. The work follows the rows read,
+        not the table: over every row's count, a promotion at the release's 80 M rows per TP4 rank took 2.9 s (a
+        partition of all counts) on a 2-core host, every 256 lookups."""
+        state = self._state
+        counted = np.concatenate([self._carried, self._fresh[: state.fresh_len]])
+        state.fresh_len = 0
+        self.promote(counted, self.counts[counted], self.tier.promote_rows)
+        self.counts[counted] >>= 1
+        self._carried = counted[self.counts[counted] > 0]
 
     def promote(self, rows: np.ndarray, counts: np.ndarray, limit: int | None = None) -> float:
         """Of `rows` (distinct owned rows) with their `counts`, the `slots` most counted become resident, at most
@@ -346,7 +367,11 @@ class FileRows:
 
     def describe(self) -> str:
         where = f"{int((self.slot_row >= 0).sum())}/{self.slots} rows resident ({self.refreshes} promotions, last served {self.share:.0%}), the rest read from {self.tier.files.directory}"
-        return where if not self._host.stats.calls else f"{where}; {self._host.stats.describe()}"
+        return where if not self._state.calls else f"{where}; {self.host_stats().describe()}"
+
+    def host_stats(self) -> HostCallStats:
+        s = self._state
+        return HostCallStats(s.calls, s.ns / 1e9, s.longest_ns / 1e9)
 
 
 class MappedRows:
@@ -370,6 +395,13 @@ class MappedRows:
         out = torch.empty_like(read)
         out[torch.from_numpy(order)] = read
         return out
+
+
+_CALLS: list[stager.Call] = []  # never freed: a captured graph may replay one after its rows have gone
+
+
+def _retire(state: stager.Stager) -> None:
+    state.alive = 0  # its buffers are about to be freed: a graph replaying its host node later does nothing
 
 
 def byte_rows(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,113 @@
+/* The file tier's host work for one lookup (qwen4_exp_hcu/ple/file_rows.py), in C: on an accelerator it runs on
+   the driver's host thread as a host node, and in Python it waited for the GIL (the engine's thread runs Python
+   while the GPU works) on entry and again after every numpy call that let it go: 9.2 ms per call while serving,
+   against 0.2-0.9 ms of work (docs/PERFORMANCE.md, session 20). Here it takes the GIL only for a promotion, every
+   `refresh_every` lookups, through the `promote` callback. The layout of `Stager` is mirrored by `ple.stager`. */
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct {
+    int64_t start, n;          /* owned rows [start, start + n) of the table */
+    int64_t shard_rows, first_shard, n_shards, n_parts;
+    int64_t slots;             /* resident buffer rows [0, slots); staging follows */
+    int32_t *slot_of;          /* [n] owned row -> resident slot, -1: in the files */
+    const uint8_t **src;       /* [n_shards * n_parts] the mapped files: shard first_shard + j, part p's rows */
+    uint8_t **dst;             /* [n_parts] the buffers' rows */
+    int64_t *row_bytes;        /* [n_parts] */
+    int32_t *counts;           /* [n] reads per owned row, NULL: resident rows from calibration only */
+    int64_t *fresh;            /* rows counted from zero since the last promotion (the promotion's candidates) */
+    int64_t fresh_len, fresh_cap, lookups, refresh_every;
+    void (*promote)(void);     /* Python (ctypes takes the GIL): the promotion, in the stream's order */
+    const int64_t *ids;        /* one lookup: global row ids, hot-row flags, buffer rows out */
+    const uint8_t *cached;
+    int64_t *slot;
+    int64_t *keys;             /* the lookup's distinct misses: open addressing over table_size >= 2 x its ids */
+    int64_t *vals;
+    int64_t table_size;
+    int64_t calls, ns, longest_ns; /* the function's own time */
+    int64_t alive;             /* 0 once its owner is gone: a graph replaying it later finds nothing to do */
+} Stager;
+
+typedef struct {
+    Stager *stager;
+    int64_t n, flagged;        /* ids in the lookup; whether hot-row flags came */
+} Call;
+
+static void count(Stager *s, int64_t n, const uint8_t *cached) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t local = s->ids[i] - s->start;
+        if (local < 0 || local >= s->n || (cached && cached[i]))
+            continue;
+        if (s->counts[local] == 0 && s->fresh_len == s->fresh_cap) { /* candidates full: promote now */
+            s->lookups = 0;
+            s->promote();
+        }
+        if (s->counts[local]++ == 0)
+            s->fresh[s->fresh_len++] = local;
+    }
+    if (++s->lookups >= s->refresh_every) {
+        s->lookups = 0;
+        s->promote();
+    }
+}
+
+static void read_row(const Stager *s, int64_t local, int64_t to) {
+    int64_t global = local + s->start, shard = global / s->shard_rows, row = global - shard * s->shard_rows;
+    const uint8_t **src = s->src + (shard - s->first_shard) * s->n_parts;
+    for (int64_t p = 0; p < s->n_parts; p++)
+        memcpy(s->dst[p] + to * s->row_bytes[p], src[p] + row * s->row_bytes[p], (size_t)s->row_bytes[p]);
+}
+
+/* `ids[:n]` -> `slot[:n]`: a resident slot, a staging row (the row read from the files, once per lookup), 0 for a
+   pair the hot-row cache serves, -1 where the rank owns no row. Counting (and a due promotion) comes first, so a
+   promotion that reads through staging is done before this lookup stages its rows. */
+void qwen4_ple_stage(Stager *s, int64_t n, int64_t flagged) {
+    if (!s->alive)
+        return;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const uint8_t *cached = flagged ? s->cached : NULL;
+    if (s->counts)
+        count(s, n, cached);
+    int64_t size = 16, bits = 4;
+    while (size < 2 * n)
+        size <<= 1, bits++;
+    memset(s->keys, 0xff, (size_t)size * sizeof(int64_t)); /* -1: empty */
+    int64_t staged = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t local = s->ids[i] - s->start;
+        if (local < 0 || local >= s->n) {
+            s->slot[i] = -1;
+            continue;
+        }
+        if (cached && cached[i]) {
+            s->slot[i] = 0;
+            continue;
+        }
+        if (s->slot_of[local] >= 0) {
+            s->slot[i] = s->slot_of[local];
+            continue;
+        }
+        uint64_t h = ((uint64_t)local * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+        while (s->keys[h] != -1 && s->keys[h] != local)
+            h = (h + 1) & (uint64_t)(size - 1);
+        if (s->keys[h] == -1) {
+            s->keys[h] = local;
+            s->vals[h] = staged;
+            read_row(s, local, s->slots + staged++);
+        }
+        s->slot[i] = s->slots + s->vals[h];
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    int64_t took = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+    s->calls++, s->ns += took;
+    if (took > s->longest_ns)
+        s->longest_ns = took;
+}
+
+/* The host node's function (`cuLaunchHostFunc` / `hipLaunchHostFunc` take a `void (*)(void *)`). */
+void qwen4_ple_stage_call(void *arg) {
+    const Call *call = (const Call *)arg;
+    qwen4_ple_stage(call->stager, call->n, call->flagged);
+}
