@@ -11,6 +11,8 @@ PREFETCH_ENV = "QWEN4_EXP_HCU_PREFETCH"
 PDL_ENV = "QWEN4_EXP_HCU_PDL"
 """`0`: launch the hyper-connection kernels without programmatic dependent launch (on by default where the GPU
 has it: NVIDIA from Hopper), to measure what it brings or to rule it out."""
+CACHE_ENV = "QWEN4_EXP_HCU_CACHE"
+"""Where the file tier's C host function is built (default `~/.cache/qwen4_exp_hcu`)."""
 TORCH_OPS_ENV = "QWEN4_EXP_HCU_TORCH_OPS"
 """Kernel names (`kernels.SWAPPABLE`, comma-separated, or `all`) that run as their torch references on an
 accelerator too: to isolate a kernel on a new platform, or to find which one moves a result."""

@@ -12,11 +12,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from qwen4_exp_hcu.env import CACHE_ENV
 from qwen4_exp_hcu.ple.host_call import CALLBACK
 
 SOURCE = Path(__file__).with_name("stage.c")
-CACHE_ENV = "QWEN4_EXP_HCU_CACHE"
-"""Where the built library goes (default `~/.cache/qwen4_exp_hcu`)."""
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
