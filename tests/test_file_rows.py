@@ -356,32 +356,6 @@ def test_a_full_list_of_candidates_promotes_early(tmp_path):
     assert held.size == 8 and set(held.tolist()) <= set(range(100, 120))
 
 
-def test_the_host_function_stages_exactly_what_the_numpy_reference_does(tmp_path):
-    """`stage.c` against numpy over random lookups with repeats, unowned ids and hot-row flags: buffer rows point at
-    the right bytes (resident or staged once per distinct row), -1 where not owned, 0 where the cache serves."""
-    import numpy as np
-
-    n = 5000
-    rows = _synthetic_rows(tmp_path, n, 300, refresh_every=3, staging_rows=64)
-    rng = np.random.default_rng(1)
-    table = torch.arange(n, dtype=torch.int32).view(torch.int8).view(n, 4)
-    total = 0
-    for step in range(20):
-        ids = torch.from_numpy(np.where(rng.random(200) < 0.5, rng.integers(0, 40, 200), rng.integers(-5, n + 5, 200)))
-        cached = torch.from_numpy(rng.random(200) < 0.2)
-        slot = rows.stage(ids, cached if step % 2 else None)
-        owned = (ids >= 0) & (ids < n)
-        served = owned & cached if step % 2 else torch.zeros_like(owned)
-        assert torch.equal(slot[~owned], torch.full_like(slot[~owned], -1)) and not slot[served].any()
-        read = owned & ~served
-        assert torch.equal(rows.buffers["weight"][slot[read]], table[ids[read]]), step
-        staged = slot[read][slot[read] >= rows.slots]  # none when this lookup's promotion made every row resident
-        distinct = ids[read][slot[read] >= rows.slots].unique().numel()
-        assert staged.unique().numel() == distinct == (staged.max() - rows.slots + 1 if distinct else 0)
-        total += distinct
-    assert rows.refreshes == 6 and rows.host_stats().calls == 20 and total > 1000
-
-
 def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):
     """A CUDA-graph batch pads its tokens past the last request's; with the file tier their rows are neither read
     from the files nor counted (they would promote the hash of token 0), and the real tokens' embeddings are the

@@ -240,19 +240,22 @@ class FileRows:
         io_rows = len(self._io["ids"]) if self._io else 0
         if n <= self.staging and n <= io_rows:
             return
-        if device.type == "cuda":
+        # a table an accelerator reads keeps pinned ids and slots, also through a lookup of CPU ids: from pageable
+        # memory the slots would be copied when queued, before the host function wrote them
+        accelerated = device.type == "cuda" or next(iter(self.buffers.values())).is_pinned()
+        if accelerated:
             if self._captured or torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"PLE rows from files: a lookup of {n} row ids needs a staging area ({self.staging} rows) "
                                  f"and pinned ids ({io_rows}) that large, but CUDA graphs hold their addresses: the file "
                                  "tier sizes both for the most ids a step looks up at start-up (`staging_rows`).")  # fmt: skip
-            torch.cuda.synchronize(device)  # in-flight host functions and kernels use the old buffers
+            torch.cuda.synchronize()  # in-flight host functions and kernels use the old buffers
         if n > self.staging:
             self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
         if n > io_rows:
             from qwen4_exp_hcu.ple.host_memory import pinned_empty
 
             size = max(n, self.staging)
-            empty = pinned_empty if device.type == "cuda" else lambda shape, dtype: torch.empty(shape, dtype=dtype)
+            empty = pinned_empty if accelerated else lambda shape, dtype: torch.empty(shape, dtype=dtype)
             self._io_tensors = {k: empty((size,), dtype) for k, dtype in IO_DTYPES.items()}
             self._io = io = {k: t.numpy() for k, t in self._io_tensors.items()}
             self._keys = np.empty(2 << max(4, (size - 1).bit_length()), dtype=np.int64)  # >= 2 x the ids, a power of two

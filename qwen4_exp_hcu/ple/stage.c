@@ -4,6 +4,8 @@
    against 0.2-0.9 ms of work (docs/PERFORMANCE.md, session 20). Here it takes the GIL only for a promotion, every
    `refresh_every` lookups, through the `promote` callback. The layout of `Stager` is mirrored by `ple.stager`. */
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -73,6 +75,11 @@ void qwen4_ple_stage(Stager *s, int64_t n, int64_t flagged) {
     int64_t size = 16, bits = 4;
     while (size < 2 * n)
         size <<= 1, bits++;
+    if (size > s->table_size) { /* `FileRows._reserve` sizes it for every lookup: a caller that skipped it */
+        fprintf(stderr, "qwen4_ple_stage: a lookup of %lld ids, the table of distinct misses holds %lld\n", (long long)n,
+                (long long)s->table_size);
+        abort();
+    }
     memset(s->keys, 0xff, (size_t)size * sizeof(int64_t)); /* -1: empty */
     int64_t staged = 0;
     for (int64_t i = 0; i < n; i++) {

@@ -1,0 +1,160 @@
+"""`ple/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the Python implementation it
+replaced): on a checkpoint of several shard files with two parts of different row bytes, an owned range that starts
+inside a shard, unowned ids, hot-row flags, promotions with and without a cap, and staging that grows mid-run, every
+lookup maps ids to the same bytes, and the counts, candidates, promotions and resident slots stay identical.
+Promotions see their candidates sorted in both (numpy handed them over sorted, C in first-read order; which row
+wins a tie at the cutoff is arbitrary)."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileRows, FileTier
+
+W_BYTES, S_BYTES = 8, 2
+
+
+class _Oracle:
+    """Numpy staging and counting, as `FileRows` did them before `stage.c` (443d50a), over another `FileRows`'
+    buffers, slot maps and promotions."""
+
+    def __init__(self, rows: FileRows) -> None:
+        self.rows, self.counted, self.lookups = rows, [], 0
+
+    def stage(self, ids: np.ndarray, cached: np.ndarray | None) -> np.ndarray:
+        r = self.rows
+        local = ids - r.start
+        owned = (local >= 0) & (local < r.n)
+        need = owned if cached is None else owned & ~cached
+        wanted = local[need]
+        if r.counts is not None:
+            self.count(wanted)
+        at = r.slot_of[wanted]
+        miss = at < 0
+        rows, inverse = np.unique(wanted[miss], return_inverse=True)
+        r._read(rows, r.slots)
+        at[miss] = r.slots + inverse.reshape(-1)
+        slot = np.where(owned, 0, -1)
+        slot[need] = at
+        return slot
+
+    def count(self, rows: np.ndarray) -> None:
+        r = self.rows
+        rows, times = np.unique(rows, return_counts=True)
+        self.counted.append(rows[r.counts[rows] == 0])
+        r.counts[rows] += times.astype(r.counts.dtype)
+        self.lookups += 1
+        if self.lookups >= r.tier.refresh_every:
+            self.lookups = 0
+            counted = np.concatenate(self.counted)
+            r.promote(counted, r.counts[counted], r.tier.promote_rows)
+            r.counts[counted] >>= 1
+            self.counted = [counted[r.counts[counted] > 0]]
+
+
+def _checkpoint(path, rows: int, shard_rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(-128, 128, (rows, W_BYTES), dtype=np.int8)
+    scale = rng.integers(0, 256, (rows, S_BYTES), dtype=np.uint8)
+    for j in range(-(-rows // shard_rows)):
+        a, b = j * shard_rows, min((j + 1) * shard_rows, rows)
+        save_file({f"model.layers.0.ple.shard_{j}.weight": torch.from_numpy(weight[a:b].copy()),
+                   f"model.layers.0.ple.shard_{j}.weight_scale": torch.from_numpy(scale[a:b].copy()).view(torch.bfloat16)},
+                  str(path / f"model-{j:05d}.safetensors"))  # fmt: skip
+    return {"weight": weight.view(np.uint8), "weight_scale": scale}
+
+
+def _rows(path, start: int, n: int, shard_rows: int, slots: int, **tier) -> FileRows:
+    buffers = {}
+
+    def resize(count, keep=0):
+        old = dict(buffers)
+        buffers["weight"] = torch.zeros((count, W_BYTES), dtype=torch.int8)
+        buffers["weight_scale"] = torch.zeros((count, 1), dtype=torch.bfloat16)
+        for k in old:
+            buffers[k][:keep].copy_(old[k][:keep])
+        return dict(buffers)
+
+    rows = FileRows(FileTier(CheckpointFiles(path), slots * (W_BYTES + S_BYTES), **tier), start, n, shard_rows, W_BYTES + S_BYTES, resize)
+    for j in range(start // shard_rows, (start + n - 1) // shard_rows + 1):
+        rows.add_shard(j, {"weight": f"model.layers.0.ple.shard_{j}.weight", "weight_scale": f"model.layers.0.ple.shard_{j}.weight_scale"})
+    rows.loaded()
+    original = rows.promote
+    rows.promote = lambda r, c, limit=None: original(np.sort(r), c[np.argsort(r)], limit)  # ties broken alike
+    return rows
+
+
+def _candidates(rows: FileRows) -> np.ndarray:
+    return np.concatenate([rows._carried, rows._fresh[: rows._state.fresh_len]])
+
+
+CASES = {  # rows, shard_rows, start, n, slots, refresh_every, promote_rows, staging_rows, max_tokens
+    "capped": (3000, 700, 900, 1500, 120, 3, 8, 16, 80),
+    "uncapped": (3000, 700, 900, 1500, 120, 1, None, 16, 80),
+    "no_slots": (3000, 1000, 0, 3000, 0, 2, 4, 8, 60),
+    "all_resident": (2000, 300, 250, 400, 400, 2, None, 16, 60),
+    "one_shard": (5000, 5000, 0, 5000, 300, 5, 4096, 64, 200),
+    "odd_shards": (4000, 333, 1234, 1900, 50, 4, 3, 32, 150),
+    "tiny_staging": (1000, 128, 100, 700, 200, 7, 16, 4, 40),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("seed", range(2))
+def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
+    total, shard_rows, start, n, slots, every, limit, staging, max_tokens = CASES[case]
+    table = _checkpoint(tmp_path, total, shard_rows, seed)
+    tier = dict(refresh_every=every, promote_rows=limit, staging_rows=staging)
+    ours, oracle = _rows(tmp_path, start, n, shard_rows, slots, **tier), _Oracle(_rows(tmp_path, start, n, shard_rows, slots, **tier))
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(start, start + n, 12)
+    edges = np.array([-1, -7, start - 1, start + n, start + n + 5, total + 3, start, start + n - 1])
+    for step in range(60):
+        size = int(rng.integers(0, max_tokens + 1)) * 4
+        kind = rng.random(size)
+        ids = np.where(kind < 0.45, hot[rng.integers(0, hot.size, size)],
+                       np.where(kind < 0.9, rng.integers(start, start + n, size), rng.choice(edges, size))).astype(np.int64)  # fmt: skip
+        cached = rng.random(size) < 0.25 if step % 3 == 1 else None
+        oracle.rows._reserve(size, torch.device("cpu"))
+        want = oracle.stage(ids, cached)
+        got = ours.stage(torch.from_numpy(ids), None if cached is None else torch.from_numpy(cached)).numpy()
+        owned = (ids >= start) & (ids < start + n)
+        served = owned & cached if cached is not None else np.zeros_like(owned)  # by the hot-row cache: buffer row 0
+        read = owned & ~served
+        assert (got[~owned] == -1).all() and (got[served] == 0).all(), step
+        for part, rows in table.items():
+            assert np.array_equal(ours._bytes[part][got[read]], rows[ids[read]]), (step, part)
+        staged = got[read][got[read] >= ours.slots]  # each distinct missing row once, from the staging area's start
+        distinct = np.unique(ids[read][got[read] >= ours.slots]).size
+        assert np.unique(staged).size == distinct and (not distinct or staged.max() == ours.slots + distinct - 1), step
+        assert np.array_equal(np.minimum(got, ours.slots), np.minimum(want, ours.slots)), step  # same resident slots
+        r = oracle.rows
+        assert np.array_equal(ours.counts, r.counts) and np.array_equal(ours.slot_of, r.slot_of), step
+        assert np.array_equal(ours.slot_row, r.slot_row) and (ours.refreshes, ours.share) == (r.refreshes, r.share), step
+        if ours.counts is not None:
+            assert set(_candidates(ours).tolist()) == set(np.concatenate(oracle.counted).tolist() if oracle.counted else []), step
+            assert ours._state.lookups == oracle.lookups, step
+    assert ours.host_stats().calls == 60
+
+
+@pytest.mark.parametrize("cap", [1, 7, 33])
+def test_early_promotions_keep_every_counted_row_a_candidate(tmp_path, cap):
+    """A short list of rows first read since the last promotion (as `FRESH_ROWS` = cap): promotions come inside a
+    lookup as it fills; the bytes stay right, and the candidates stay distinct and exactly the rows with a count."""
+    total, shard_rows, start, n = 3000, 700, 900, 1500
+    table = _checkpoint(tmp_path, total, shard_rows, 0)
+    rows = _rows(tmp_path, start, n, shard_rows, 60, refresh_every=50, promote_rows=5, staging_rows=16)
+    rows._fresh = np.empty(cap, dtype=np.int64)
+    rows._state.fresh, rows._state.fresh_cap = rows._fresh.ctypes.data, cap
+    rng = np.random.default_rng(cap)
+    for step in range(40):
+        ids = rng.integers(start - 3, start + n + 3, int(rng.integers(0, 60)) * 4).astype(np.int64)
+        got = rows.stage(torch.from_numpy(ids)).numpy()
+        owned = (ids >= start) & (ids < start + n)
+        assert (got[~owned] == -1).all()
+        for part, want in table.items():
+            assert np.array_equal(rows._bytes[part][got[owned]], want[ids[owned]]), step
+        candidates = _candidates(rows)
+        assert np.unique(candidates).size == candidates.size and set(candidates.tolist()) == set(np.flatnonzero(rows.counts).tolist())
+    assert rows.refreshes > 5
