@@ -8,8 +8,9 @@ are exact. Accelerators that read pageable host memory directly could skip the s
 this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
 takes the host gather. On an accelerator it runs in the stream's order on the driver's host thread
 (`ple.host_call`): the ids go to pinned memory, the host function (C, `ple/stage.c`: it needs no GIL) stages
-the rows and writes the remapped ids to pinned memory, and they go back, all queued without a host sync. CUDA graphs capture it as a host
-node, so it runs in full decode graphs too, and the lookup overlaps the previous decoder layer.
+the rows and writes the remapped ids to pinned memory, and they go back, all queued without a host sync. CUDA
+graphs capture it as a host node, so it runs in full decode graphs too, and the lookup overlaps the previous
+decoder layer.
 
 Resident rows follow the traffic (row counts over every lookup; every `refresh_every` lookups the most
 counted rows become resident, at most `promote_rows` newcomers at a time, and counts halve) or calibration ids
