@@ -16,8 +16,9 @@ the rows that budget caches once the row maps are paid (filled from traffic, whi
 from a calibration file). With `--host-table-gib G` (serving's `host_table_gib`, the file tier): per rank the
 pinned bytes of the resident rows (+ one staging area per layer for every id of a `--max-num-batched-tokens`
 step, and its ids, 17 B each, that the host function reads and writes), the bytes left in the checkpoint's
-files, the pageable host bytes of the row maps (4 B per owned row and per resident row, + 4 B of counts per
-owned row when following traffic) and the GPU bytes of the tables (none: scales stay with their rows).
+files, the pageable host bytes of the row maps (4 B per owned row and per resident row, the host function's
+table of a lookup's misses, + 4 B of counts per owned row and up to 8 MB of promotion candidates per layer when
+following traffic) and the GPU bytes of the tables (none: scales stay with their rows).
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -28,7 +29,7 @@ import json
 from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens, upstream_bytes_per_token
-from qwen4_exp_hcu.ple.file_rows import IO_DTYPES, resident_slots
+from qwen4_exp_hcu.ple.file_rows import IO_DTYPES, index_bytes, resident_slots
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.hot_rows import HotRows
@@ -49,13 +50,14 @@ def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int,
     area of `staging_rows` per layer (serving: every id of the largest step) with its pinned ids; the GPU holds
     the hot-row cache in front of it, if any."""
     budget = host_table_bytes // len(per_layer)
-    resident = sum(resident_slots(budget, n, row_bytes) for n in per_layer)
+    slots = [resident_slots(budget, n, row_bytes) for n in per_layer]
+    resident = sum(slots)
     staging = len(per_layer) * staging_rows * (row_bytes + sum(t.itemsize for t in IO_DTYPES.values()))
     return {
         "file_tier_pinned_bytes_per_rank": resident * row_bytes + staging,
         "file_tier_file_bytes_per_rank": (sum(per_layer) - resident) * row_bytes,
-        "file_tier_host_map_bytes_per_rank": 4 * sum(per_layer) + 4 * resident,  # row -> slot, slot -> row
-        "file_tier_host_map_bytes_per_rank_from_traffic": 8 * sum(per_layer) + 4 * resident,  # + counts per row
+        "file_tier_host_map_bytes_per_rank": sum(index_bytes(n, s, staging_rows, False) for n, s in zip(per_layer, slots)),
+        "file_tier_host_map_bytes_per_rank_from_traffic": sum(index_bytes(n, s, staging_rows, True) for n, s in zip(per_layer, slots)),
         "file_tier_gpu_bytes_per_rank": hot_rows_bytes,
     }
 

@@ -259,7 +259,7 @@ class FileRows:
             empty = pinned_empty if accelerated else lambda shape, dtype: torch.empty(shape, dtype=dtype)
             self._io_tensors = {k: empty((size,), dtype) for k, dtype in IO_DTYPES.items()}
             self._io = io = {k: t.numpy() for k, t in self._io_tensors.items()}
-            self._keys = np.empty(2 << max(4, (size - 1).bit_length()), dtype=np.int64)  # >= 2 x the ids, a power of two
+            self._keys = np.empty(miss_table_entries(size), dtype=np.int64)
             self._vals = np.empty_like(self._keys)
             state = self._state
             state.ids, state.cached, state.slot = io["ids"].ctypes.data, io["cached"].ctypes.data, io["slot"].ctypes.data
@@ -411,6 +411,18 @@ def _retire(state: stager.Stager) -> None:
 def byte_rows(t: torch.Tensor) -> np.ndarray:
     """A host tensor's rows as a [rows, bytes per row] uint8 array over its memory (rows move as bytes; 0 rows too)."""
     return t.view(torch.uint8).view(len(t), math.prod(t.shape[1:]) * t.element_size()).numpy()
+
+
+def miss_table_entries(ids: int) -> int:
+    """Entries of the table `stage.c` finds a lookup's distinct misses in: a power of two, >= 2 x the ids."""
+    return 2 << max(4, (ids - 1).bit_length())
+
+
+def index_bytes(rows: int, slots: int, staging_rows: int, traffic: bool) -> int:
+    """Pageable host bytes a table's file tier keeps beside its rows: the slot maps (row -> slot, slot -> row), the
+    miss table (keys and values), and when following traffic the counts and the promotion's candidates."""
+    maps = 4 * rows + 4 * slots + 16 * miss_table_entries(staging_rows)
+    return maps + (4 * rows + 8 * min(rows, FRESH_ROWS) if traffic else 0)
 
 
 def resident_slots(resident_bytes: int, rows: int, row_bytes: int) -> int:
