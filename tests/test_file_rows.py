@@ -357,9 +357,10 @@ def test_a_full_list_of_candidates_promotes_early(tmp_path):
 
 
 def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):
-    """A CUDA-graph batch pads its tokens past the last request's; with the file tier their rows are neither read
+    """Tokens past the last request's (a batch padded to a size) with the file tier: their rows are neither read
     from the files nor counted (they would promote the hash of token 0), and the real tokens' embeddings are the
-    whole table's."""
+    whole table's. (In vLLM's full graphs the decodes' request count is the captured size, so there padding is not
+    seen as such: docs/SERVING.md.)"""
     from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
     path = checkpoints["int8"]
