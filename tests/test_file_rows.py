@@ -219,6 +219,49 @@ def test_a_cuda_graph_replays_the_file_reads(checkpoints, release):
         table.lookup(_ids(table, 100, seed=9).cuda())  # 400 ids, staging 256
 
 
+@pytest.mark.gpu
+def test_side_stream_lookups_in_graph_replays_read_this_replays_rows(checkpoints):
+    """As serving runs them: two tables' lookups on a side stream forked from and joined back to the main one, in
+    one CUDA graph, each lookup's output copied on the main stream after the join. 200 replays alternate two id sets
+    from disjoint row ranges, so every replay's staging area holds other rows than the last one's, with eager steps
+    between them; every output equals the whole table's (a stale staged row, or a join that does not wait for the
+    host node, would show)."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    tier = dataclasses.replace(_tier(path, whole, 0.2), staging_rows=256)  # calibrated resident rows: none promoted
+    tables = [load_ple_layer(path, _layer_id(path), PLEStorage(device="cuda", host=True, file_tier=tier)).table for _ in range(2)]
+    for t in tables:
+        t.fill_resident_rows(_ids(t, 64, seed=0))
+    half = whole.rows // 2
+    sets = [torch.randint(lo, lo + half, (2, 16, 4), generator=torch.Generator().manual_seed(lo)) for lo in (0, half)]
+    static = [sets[0][k].cuda() for k in range(2)]
+    outs = [torch.empty(16, 4 * whole.dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    copies = [torch.empty_like(o) for o in outs]
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+
+    def step():
+        for table, ids, out, copy in zip(tables, static, outs, copies):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                table.lookup(ids, out=out)
+            torch.cuda.current_stream().wait_stream(side)
+            copy.copy_(out)  # the main stream's first read of the lookup
+
+    step()  # eager: sizes the pinned ids and slots before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(200):
+        ids = sets[replay % 2]
+        for k in range(2):
+            static[k].copy_(ids[k])
+        graph.replay() if replay % 10 else step()  # every tenth step eager
+        main.synchronize()
+        for k in range(2):
+            assert torch.equal(copies[k].cpu(), whole.lookup(ids[k])), (replay, k)
+
+
 def test_buffers_a_cuda_graph_holds_do_not_grow(checkpoints):
     """After a capture, a lookup with more ids than staging fails naming `staging_rows`: growing would free the
     buffers (staging, pinned ids) whose addresses the graph replays."""
