@@ -65,6 +65,14 @@ def test_no_c_compiler_fails_naming_it(monkeypatch, tmp_path):
         stager.library()
 
 
+def test_a_cache_that_cannot_be_written_fails_naming_the_setting(monkeypatch, tmp_path):
+    monkeypatch.setattr(stager, "_LIB", None)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(stager.CACHE_ENV, str(tmp_path / "file" / "cache"))  # under a file: no directory there
+    with pytest.raises(RuntimeError, match=r"cannot build their host function into .*set QWEN4_EXP_HCU_CACHE"):
+        stager.library()
+
+
 def test_the_library_builds_once_into_its_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(stager, "_LIB", None)
     monkeypatch.setenv(stager.CACHE_ENV, str(tmp_path))

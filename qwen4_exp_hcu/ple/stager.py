@@ -53,12 +53,16 @@ def library() -> ctypes.CDLL:
             if compiler is None:
                 raise RuntimeError(f"PLE rows from files need a C compiler (CC={os.environ.get('CC') or 'cc'} is not one) to "
                                    f"build {SOURCE}, their per-lookup host work.")  # fmt: skip
-            cache.mkdir(parents=True, exist_ok=True)
             partial = built.with_suffix(f".{os.getpid()}.tmp")  # ranks building at once each rename a whole file
-            done = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"PLE rows from files: building {SOURCE} with {compiler} failed:\n{done.stderr}")
-            os.replace(partial, built)
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                done = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"PLE rows from files: building {SOURCE} with {compiler} failed:\n{done.stderr}")
+                os.replace(partial, built)
+            except OSError as e:
+                raise RuntimeError(f"PLE rows from files: cannot build their host function into {cache} ({e}); set "
+                                   f"{CACHE_ENV} to a writable directory.") from e  # fmt: skip
         lib = ctypes.CDLL(str(built))
         lib.qwen4_ple_stage.argtypes, lib.qwen4_ple_stage.restype = [ctypes.POINTER(Stager), _i64, _i64], None
         _LIB = lib
