@@ -34,6 +34,16 @@ def test_a_callback_runs_and_a_method_is_held_weakly():
     callback()  # a graph replaying it later finds nothing to do
 
 
+def test_a_callback_runs_with_a_short_switch_interval():
+    """A callback gets the GIL back within its interval after each numpy call that gave it up, not 5 ms later."""
+    import sys
+
+    seen = []
+    before = sys.getswitchinterval()
+    host_call.guarded(lambda: seen.append(sys.getswitchinterval()), "a test")()
+    assert seen == [pytest.approx(host_call.CALLBACK_SWITCH_INTERVAL_S)] and seen[0] < before == sys.getswitchinterval()
+
+
 def test_a_failure_stops_the_process_naming_the_work(monkeypatch, caplog):
     stopped = []
     monkeypatch.setattr(host_call.os, "abort", lambda: stopped.append(True))

@@ -60,6 +60,11 @@ def launch(stream: torch.cuda.Stream, function: int, arg: int, what: str) -> Non
 
 
 _CALLBACKS = []  # never freed: a captured graph or a queued launch may call one after its owner has gone
+CALLBACK_SWITCH_INTERVAL_S = 1e-5
+"""The interpreter's switch interval while a callback runs. Every numpy call that gives up the GIL lets the engine's
+thread take it, and the callback waits up to the interval (5 ms by default) to get it back: beside a busy Python
+thread a file-tier promotion took 15x as long as alone, 3x with this interval (`benchmarks/bench_host_callback.py`,
+2-core CPU)."""
 
 
 def guarded(fn: Callable[[], None], what: str) -> CALLBACK:
@@ -73,12 +78,16 @@ def guarded(fn: Callable[[], None], what: str) -> CALLBACK:
         f = target()
         if f is None:  # its owner is gone, and with it every lookup that would read what it stages
             return
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, CALLBACK_SWITCH_INTERVAL_S))
         try:
             f()
         except BaseException:
             logger.critical("%s failed on the driver's host thread; stopping the process:\n%s", what, traceback.format_exc())
             sys.stderr.flush()
             os.abort()
+        finally:
+            sys.setswitchinterval(interval)
 
     callback = CALLBACK(run)
     _CALLBACKS.append(callback)
