@@ -13,7 +13,6 @@ Writes host_callback.json + .png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -24,6 +23,7 @@ from statistics import median
 
 import torch
 
+from benchmarks import save
 from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
 from qwen4_exp_hcu.ple import host_call
 from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
@@ -92,18 +92,13 @@ def main() -> None:
         "table": {"rows": rows, "heads": HEADS, "dim": DIM, "ids_per_lookup": HEADS * args.tokens, "refresh_every": args.refresh_every},
         "results": results,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_callback.json").write_text(json.dumps(report, indent=1))
-    plot(results, out / "host_callback.png")
+    save(args.out, "host_callback", report, plot)
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    results = report["results"]
     fig, ax = plt.subplots(figsize=(7, 3))
     names = list(results)
     ax.barh(names, [results[n]["median_ms"] for n in names], color=["tab:gray", "tab:red", "tab:green"])

@@ -13,7 +13,6 @@ serial. Eager and CUDA-graph replay. Decode 64/256 tokens, prefill 4k/16k. Write
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks import save
 from benchmarks.bench_lookup import bench_config
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import PLELayer
@@ -114,16 +114,10 @@ def main() -> None:
                    "ffn": args.ffn, "heads": H, "dim": D, "repeats": args.repeats, "host_tuning": host.table.HOST_TUNING},
         "results": results,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_prefetch.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "bench_prefetch.png")
+    save(args.out, "bench_prefetch", report, plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = report["results"]
