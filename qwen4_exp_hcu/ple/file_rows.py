@@ -149,7 +149,7 @@ class FileRows:
         # the C host function's state (`ple/stage.c`); it counts each lookup's rows, and every `refresh_every`
         # lookups calls `_promote_from_traffic` over the rows counted from zero since (`_fresh`) and those whose
         # count survived the last halving (`_carried`): promotions never scan the table
-        stager.library()  # built now: no C compiler fails at load
+        self._host_function = stager.host_function()  # built now: no C compiler fails at load
         self._state = state = stager.Stager(start=start, n=n, shard_rows=shard_rows, slots=slots, alive=1,
                                             slot_of=self.slot_of.ctypes.data)  # fmt: skip
         weakref.finalize(self, _retire, state)
@@ -164,7 +164,7 @@ class FileRows:
         self._set_buffers(resize(slots + tier.staging_rows))
         first = start // shard_rows
         self._src = np.zeros((max(0, (start + n - 1) // shard_rows - first + 1), len(self.buffers)), dtype=np.uintp)
-        state.first_shard, state.n_shards, state.n_parts, state.src = first, *self._src.shape, self._src.ctypes.data
+        state.first_shard, state.n_parts, state.src = first, self._src.shape[1], self._src.ctypes.data
         self._clock = 0
         self._done = None
         self.refreshes, self.share = 0, 0.0
@@ -287,7 +287,7 @@ class FileRows:
         io["ids"][:n].copy_(ids.reshape(-1), non_blocking=True)
         if flagged:
             io["cached"][:n].copy_(cached.reshape(-1), non_blocking=True)
-        launch(stream, stager.host_function(), self._call(n, flagged), "PLE rows from files: staging a lookup's rows")
+        launch(stream, self._host_function, self._call(n, flagged), "PLE rows from files: staging a lookup's rows")
         return io["slot"][:n].to(ids.device, non_blocking=True).view(ids.shape)
 
     def _call(self, n: int, flagged: bool) -> int:

@@ -11,10 +11,10 @@
 
 typedef struct {
     int64_t start, n;          /* owned rows [start, start + n) of the table */
-    int64_t shard_rows, first_shard, n_shards, n_parts;
+    int64_t shard_rows, first_shard, n_parts;
     int64_t slots;             /* resident buffer rows [0, slots); staging follows */
     int32_t *slot_of;          /* [n] owned row -> resident slot, -1: in the files */
-    const uint8_t **src;       /* [n_shards * n_parts] the mapped files: shard first_shard + j, part p's rows */
+    const uint8_t **src;       /* [shards * n_parts] the mapped files: shard first_shard + j, part p's rows */
     uint8_t **dst;             /* [n_parts] the buffers' rows */
     int64_t *row_bytes;        /* [n_parts] */
     int32_t *counts;           /* [n] reads per owned row, NULL: resident rows from calibration only */

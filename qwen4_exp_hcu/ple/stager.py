@@ -23,7 +23,7 @@ _i64, _p = ctypes.c_int64, ctypes.c_void_p
 class Stager(ctypes.Structure):
     """`Stager` of `stage.c`, field for field."""
 
-    _fields_ = [("start", _i64), ("n", _i64), ("shard_rows", _i64), ("first_shard", _i64), ("n_shards", _i64),
+    _fields_ = [("start", _i64), ("n", _i64), ("shard_rows", _i64), ("first_shard", _i64),
                 ("n_parts", _i64), ("slots", _i64), ("slot_of", _p), ("src", _p), ("dst", _p), ("row_bytes", _p),
                 ("counts", _p), ("fresh", _p), ("fresh_len", _i64), ("fresh_cap", _i64), ("lookups", _i64),
                 ("refresh_every", _i64), ("promote", CALLBACK), ("ids", _p), ("cached", _p), ("slot", _p),
