@@ -77,11 +77,14 @@ def _calibration(tmp_path):
 
 
 def _differences(a, b) -> str:
-    """Where two runs of PROMPTS differ: per prompt, whether the tokens do and the largest logprob gap."""
+    """Where two runs of PROMPTS differ: per prompt, whether the tokens do, the largest logprob gap and the first
+    output position that differs (0: the prefill's; later ones decode steps, eager or graph)."""
     out = []
     for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
-        gap = max((abs(x[t] - y[t]) for x, y in zip(la, lb) for t in x.keys() & y.keys()), default=0.0)
-        out.append(f"prompt {i}: tokens {'equal' if ta == tb else 'differ'}, largest logprob gap {gap:.3g}")
+        gaps = [max((abs(x[t] - y[t]) for t in x.keys() & y.keys()), default=0.0) for x, y in zip(la, lb)]
+        first = next((k for k, g in enumerate(gaps) if g), None)
+        out.append(f"prompt {i}: tokens {'equal' if ta == tb else 'differ'}, largest logprob gap {max(gaps, default=0.0):.3g}"
+                   + (f" (first at output {first})" if first is not None else ""))
     return "; ".join(out)
 
 
