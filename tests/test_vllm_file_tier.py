@@ -52,7 +52,12 @@ def _serve(path, **settings):
     # on a GPU, decode steps are full CUDA graphs (whose host nodes read the files), prefills eager: vLLM's default
     # (breakable graphs, torch.compile) gave two whole-table engines logprobs 0.017 apart, this mode none
     graphs = {"compilation_config": {**gpu["compilation_config"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}} if gpu else {}
-    llm = engines.start(path, {**SERIALIZE, **({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {})},  # apply_model ships a function to the worker
+    # the engine core in this process (as on the CPU): `generate` hands it every prompt before its first step, so
+    # engines batch alike. In its own process it starts on the first prompt to arrive, and the batches (and bf16
+    # rounding with them) follow timing: on the H200 a tiered engine, its steps longer, batched the later prompts
+    # otherwise and came out 0.024 apart with every lookup exact (`diagnose_file_tier.py`, tests/README.md)
+    in_process = {engines.MULTIPROCESSING: "0", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {}
+    llm = engines.start(path, {**SERIALIZE, **in_process},  # apply_model ships a function to the worker
                         **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
     try:
