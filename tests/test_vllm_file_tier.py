@@ -1,7 +1,7 @@
 """vLLM serving the tiny INT8 checkpoint with `host_table_gib` (`ple.file_rows`): a fifth of each table resident
 (calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact: inside the engine,
 after serving, every owned row through the live tiers equals the checkpoint's table, and tokens and logprobs
-equal those of the same engine with whole host tables, bit for bit; on a GPU in full decode graphs (the file
+equal those of the same engine with whole host tables, bit for bit (both in the test process, so they batch alike); on a GPU in full decode graphs (the file
 reads are their host nodes), also with the GPU hot-row cache in front of the
 file tier."""
 
@@ -56,8 +56,8 @@ def _serve(path, **settings):
     # engines batch alike. In its own process it starts on the first prompt to arrive, and the batches (and bf16
     # rounding with them) follow timing: on the H200 a tiered engine, its steps longer, batched the later prompts
     # otherwise and came out 0.024 apart with every lookup exact (`diagnose_file_tier.py`, tests/README.md)
-    in_process = {engines.MULTIPROCESSING: "0", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {}
-    llm = engines.start(path, {**SERIALIZE, **in_process},  # apply_model ships a function to the worker
+    gpu_env = {engines.MULTIPROCESSING: "0", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {}
+    llm = engines.start(path, {**SERIALIZE, **gpu_env},  # apply_model ships a function to the worker
                         **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
     try:
