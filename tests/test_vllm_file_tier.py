@@ -1,9 +1,9 @@
 """vLLM serving the tiny INT8 checkpoint with `host_table_gib` (`ple.file_rows`): a fifth of each table resident
 (calibrated), the rest read from the checkpoint's files at every lookup. Lookups are exact: inside the engine,
 after serving, every owned row through the live tiers equals the checkpoint's table, and tokens and logprobs
-equal those of the same engine with whole host tables, bit for bit (both in the test process, so they batch alike); on a GPU in full decode graphs (the file
-reads are their host nodes), also with the GPU hot-row cache in front of the
-file tier."""
+equal those of the same engine with whole host tables, bit for bit (both in the test process, so they batch
+alike); on a GPU in full decode graphs (the file reads are their host nodes), also with the GPU hot-row cache in
+front of the file tier."""
 
 import re
 
