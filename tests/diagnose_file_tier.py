@@ -6,7 +6,7 @@ prints the lookups that differ from the whole table's lookup of the same ids, th
 lookup, each engine's eager steps (tokens, `query_start_loc`), and how far each engine's logprobs are from the
 earlier ones'.
 
-    python tests/diagnose_file_tier.py whole all whole      # in the engine's own process: VLLM_ENABLE_V1_MULTIPROCESSING=1
+    python tests/diagnose_file_tier.py whole all whole      # on a GPU, the core in its own process: VLLM_ENABLE_V1_MULTIPROCESSING=1
 
 On the CPU add VLLM_DISABLE_COMPILE_CACHE=1: there an engine that compiles the model and one that loads vLLM's cached
 compilation differ in bf16 (0.016-0.045 here, every lookup exact), whatever their tables.
@@ -24,7 +24,7 @@ if not torch.cuda.is_available():  # as the suite runs (conftest): Triton kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_vllm_file_tier import SERIALIZE, _differences  # noqa: E402
+from test_vllm_file_tier import SERIALIZE, _differences, generate, start_engine  # noqa: E402
 
 from qwen4_exp_hcu.names import ple_layers  # noqa: E402
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of  # noqa: E402
@@ -96,26 +96,18 @@ def check(path: str):
 
 
 def serve(path, settings: dict):
-    from vllm import SamplingParams
-
     from helpers import engines
-    from helpers.scenarios import GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PROMPTS
 
-    gpu = GPU_ENGINE if torch.cuda.is_available() else {"additional_config": {}}
-    graphs = {"compilation_config": {**gpu["compilation_config"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}} if "compilation_config" in gpu else {}
-    additional = {**gpu["additional_config"], "qwen4_exp_hcu": settings}
-    llm = engines.start(path, {**SERIALIZE, "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, **{**gpu, **graphs, "additional_config": additional},
-                        dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
+    llm = start_engine(path, settings, in_process=False)  # where the engine core runs: VLLM_ENABLE_V1_MULTIPROCESSING
     try:
         with engines.environment(SERIALIZE):
             llm.apply_model(install)
-            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            runs = generate(llm)
             for line in llm.apply_model(check(str(path)))[0]:
                 print("DIAGNOSIS", line, flush=True)
     finally:
         engines.stop(llm)
-    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
+    return runs
 
 
 def main() -> None:

@@ -43,10 +43,8 @@ def _inspect(path):
     return inspect
 
 
-def _serve(path, **settings):
-    """Tokens and top-5 logprobs of PROMPTS, and `_inspect`'s findings per PLE layer."""
-    from vllm import SamplingParams
-
+def start_engine(path, settings: dict, in_process: bool = True):
+    """An engine over the tiny checkpoint with the plugin's `settings`, as these tests serve it."""
     gpu = GPU_ENGINE if torch.cuda.is_available() else {}
     additional = {**gpu.get("additional_config", {}), "qwen4_exp_hcu": settings}
     # on a GPU, decode steps are full CUDA graphs (whose host nodes read the files), prefills eager: vLLM's default
@@ -56,14 +54,26 @@ def _serve(path, **settings):
     # engines batch alike. In its own process it starts on the first prompt to arrive, and the batches (and bf16
     # rounding with them) follow timing: on the H200 a tiered engine, its steps longer, batched the later prompts
     # otherwise and came out 0.024 apart with every lookup exact (`diagnose_file_tier.py`, tests/README.md)
-    gpu_env = {engines.MULTIPROCESSING: "0", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0"} if gpu else {}
-    llm = engines.start(path, {**SERIALIZE, **gpu_env},  # apply_model ships a function to the worker
-                        **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
-                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
+    gpu_env = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", **({engines.MULTIPROCESSING: "0"} if in_process else {})} if gpu else {}
+    return engines.start(path, {**SERIALIZE, **gpu_env},  # apply_model ships a function to the worker
+                         **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,
+                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0)  # fmt: skip
+
+
+def generate(llm) -> list:
+    """Per prompt of PROMPTS, its greedy tokens and top-5 logprobs."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
+
+
+def _serve(path, **settings):
+    """Tokens and top-5 logprobs of PROMPTS, and `_inspect`'s findings per PLE layer."""
+    llm = start_engine(path, settings)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        runs = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
+        runs = generate(llm)
         with engines.environment(SERIALIZE):  # read again where the function is sent (a GPU engine's own process)
             found = llm.apply_model(_inspect(str(path)))[0]
     finally:
