@@ -400,10 +400,9 @@ def test_a_full_list_of_candidates_promotes_early(tmp_path):
 
 
 def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):
-    """Tokens past the last request's (a batch padded to a size) with the file tier: their rows are neither read
-    from the files nor counted (they would promote the hash of token 0), and the real tokens' embeddings are the
-    whole table's. (In vLLM's full graphs the decodes' request count is the captured size, so there padding is not
-    seen as such: docs/SERVING.md.)"""
+    """Tokens past the last request's (a batch padded to a size), or past `num_real_tokens` (a full graph's padding
+    requests), with the file tier: their rows are neither read from the files nor counted (they would promote the
+    hash of token 0), and the real tokens' embeddings are the whole table's."""
     from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 
     path = checkpoints["int8"]
@@ -418,3 +417,10 @@ def test_padding_tokens_read_no_file_and_are_not_counted(checkpoints):
     assert torch.equal(got[:4], want[:4])
     assert rows.counts.sum() - before == 4 * whole.spec.num_heads  # the real tokens' rows, every head owned
     assert not got[4:].any()  # padding looked up no row
+
+    decodes = PLEBatch.from_lengths(ids[:4], [1, 1, 1, 1], [0, 1, 0, 0], [True] * 4)  # a graph of 4, 2 real decodes
+    padded = dataclasses.replace(decodes, num_real_tokens=torch.tensor(2))
+    before = rows.counts.sum()
+    got, want = tiered.lookup(padded, state), whole.lookup(decodes, state)
+    assert torch.equal(got[:2], want[:2]) and not got[2:].any()
+    assert rows.counts.sum() - before == 2 * whole.spec.num_heads

@@ -151,6 +151,24 @@ def test_hot_rows_before_rows_from_files_serve_what_whole_tables_serve(tiny, tmp
     _assert_same_as_whole(path, tiered, whole, **settings)
 
 
+def test_a_full_graphs_padding_decodes_are_padding():
+    """A full graph's decodes are its captured size; vLLM fills `query_start_loc` past the real requests with their
+    token count, so `pack` marks the padding requests' tokens as padding: the file tier reads and counts no row for
+    them (`test_file_rows.py::test_padding_tokens_read_no_file_and_are_not_counted`)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from qwen4_exp_hcu.model.ple_step import pack
+
+    metadata = SimpleNamespace(spec_sequence_masks=None, num_decodes=4, num_prefills=0,
+                               query_start_loc=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),  # 2 real of 4
+                               state_indices_tensor_d=torch.tensor([[7], [9], [0], [0]]))  # fmt: skip
+    with mock.patch("qwen4_exp_hcu.model.ple_step.get_forward_context", lambda: SimpleNamespace(dp_metadata=None)):
+        batch = pack(metadata, torch.arange(4))
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 4]  # the graph's requests, as captured
+    assert int(batch.real_tokens) == 2
+
+
 def test_settings_are_checked_with_the_config():
     with pytest.raises(ValueError, match="host_table_gib must be a number of GiB"):
         plugin_settings({"qwen4_exp_hcu": {"host_table_gib": "lots"}})

@@ -33,7 +33,9 @@ STEP_BATCHES = StepBatches()
 
 def pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
     """PLEBatch from the PLE short-conv metadata. Without speculation this step it orders decodes (one
-    token each) before prefills and keeps each part's slots and flags separately."""
+    token each) before prefills and keeps each part's slots and flags separately. A full graph's decodes are
+    its captured size, padding requests included; vLLM fills `metadata.query_start_loc` past the real requests
+    with their token count, which marks the padding."""
     if metadata.spec_sequence_masks is not None:
         return pack_speculative(metadata, input_ids)
     device = input_ids.device
@@ -46,7 +48,8 @@ def pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
         qsl.append(metadata.query_start_loc_p[1:].long() + metadata.num_decode_tokens)
         slots.append(metadata.state_indices_tensor_p[:p].long())
         initial.append(metadata.has_initial_states_p[:p])
-    return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), dp_max_tokens())
+    return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), dp_max_tokens(),
+                    num_real_tokens=metadata.query_start_loc[-1])
 
 
 def pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:

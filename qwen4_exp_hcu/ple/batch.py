@@ -3,7 +3,7 @@ by every PLE layer) and one layer's per-request state (`PLEState`, indexed by sl
 
 Requests are packed: request r owns tokens `query_start_loc[r] : query_start_loc[r+1]` and state slot
 `slot_ids[r]`; slot < 0 marks a padding request (never read, never written) and tokens past
-`query_start_loc[-1]` are padding (CUDA-graph batches: computed, never stored). `has_initial_state[r]` is
+`query_start_loc[-1]` (or `num_real_tokens`) are padding (CUDA-graph batches: computed, never stored). `has_initial_state[r]` is
 False for a request's first chunk (its state starts from EOS context and a zero conv window).
 
 Speculative decoding (vLLM's layout for stateful layers): a state made with `num_speculative_tokens=E`
@@ -31,6 +31,9 @@ class PLEBatch:
     when None). vLLM knows it from its DP metadata."""
     verify: torch.Tensor | None = None  # [B] bool: the request's tokens are its last token + drafts
     num_accepted: torch.Tensor | None = None  # [B] int: tokens accepted of the request's previous verify step
+    num_real_tokens: torch.Tensor | None = None
+    """0-d: the tokens from here on are padding, where a CUDA graph pads whole requests (vLLM's decodes at a
+    captured size, their `query_start_loc` fixed when the graph was captured); None: `query_start_loc[-1]`."""
 
     @classmethod
     def from_lengths(
@@ -50,6 +53,11 @@ class PLEBatch:
             as_tensor(verify, torch.bool),
             as_tensor(num_accepted, torch.int64),
         )
+
+    @property
+    def real_tokens(self) -> torch.Tensor:
+        """Where the padding starts, on the batch's device (no host sync)."""
+        return self.query_start_loc[-1] if self.num_real_tokens is None else self.num_real_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -141,7 +141,7 @@ class PLELayer(nn.Module):
         Reads the n-gram context of `state`; writes nothing."""
         rows = ngram_ids(self.spec, batch.input_ids, batch.query_start_loc, self._request_context(batch, state))
         if self.table.file_rows is not None:  # padding tokens (a graph's batch size) read no file and count for nothing
-            padding = torch.arange(rows.shape[0], device=rows.device) >= batch.query_start_loc[-1]
+            padding = torch.arange(rows.shape[0], device=rows.device) >= batch.real_tokens
             rows = rows.masked_fill(padding[:, None], -1)
         return self.etp(rows, out=out, max_tokens=batch.max_tokens)
 
