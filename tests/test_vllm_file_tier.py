@@ -61,10 +61,12 @@ def start_engine(path, settings: dict, in_process: bool = True):
 
 
 def generate(llm) -> list:
-    """Per prompt of PROMPTS, its greedy tokens and top-5 logprobs."""
+    """Per prompt of PROMPTS, its greedy tokens and top-5 logprobs. The last prompt stops early, so the later decode
+    steps hold fewer requests than a captured graph's size: padding requests (`ple_step.pack`)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 if i == len(PROMPTS) - 1 else 12, ignore_eos=True, logprobs=5)
+              for i in range(len(PROMPTS))]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
 
