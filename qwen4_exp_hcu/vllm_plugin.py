@@ -67,9 +67,9 @@ def check_settings_with_config(architecture: str) -> None:
 
 def check_torch_ops(enforce_eager: bool, accelerator: bool) -> None:
     """Torch references in place of kernels (`QWEN4_EXP_HCU_TORCH_OPS`) only without CUDA graphs: some read
-    values back to the host (boolean indexing), which a graph capture refuses mid-capture."""
-    from qwen4_exp_hcu.kernels import torch_ops
+    values back to the host (boolean indexing), which a graph capture refuses mid-capture (not `CAPTURABLE`'s)."""
+    from qwen4_exp_hcu.kernels import CAPTURABLE, torch_ops
 
-    if accelerator and torch_ops() and not enforce_eager:
+    if accelerator and (torch_ops() - CAPTURABLE) and not enforce_eager:
         raise ValueError(f"{TORCH_OPS_ENV}={os.environ[TORCH_OPS_ENV]!r} swaps kernels for torch references, some of "
                          "which sync with the host: CUDA graphs cannot capture them. Add --enforce-eager.")  # fmt: skip

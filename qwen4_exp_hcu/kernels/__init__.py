@@ -16,6 +16,8 @@ SWAPPABLE = frozenset(
 )
 """The kernels `QWEN4_EXP_HCU_TORCH_OPS` may swap for their torch references on an accelerator. Not the table
 gather: its reference would index a host table from the GPU."""
+CAPTURABLE = frozenset({"down_silu"})
+"""Swaps CUDA graphs capture: `down_silu`'s is the GEMM library's path, the model's own at larger batches."""
 
 
 def torch_ops() -> frozenset[str]:
