@@ -3,8 +3,9 @@ by every PLE layer) and one layer's per-request state (`PLEState`, indexed by sl
 
 Requests are packed: request r owns tokens `query_start_loc[r] : query_start_loc[r+1]` and state slot
 `slot_ids[r]`; slot < 0 marks a padding request (never read, never written) and tokens past
-`query_start_loc[-1]` (or `num_real_tokens`) are padding (CUDA-graph batches: computed, never stored). `has_initial_state[r]` is
-False for a request's first chunk (its state starts from EOS context and a zero conv window).
+`query_start_loc[-1]` (or `num_real_tokens`) are padding (CUDA-graph batches: computed, never stored).
+`has_initial_state[r]` is False for a request's first chunk (its state starts from EOS context and a zero
+conv window).
 
 Speculative decoding (vLLM's layout for stateful layers): a state made with `num_speculative_tokens=E`
 keeps E more entries than the layer needs. A request with `verify[r]` sends its last token and k <= E draft
