@@ -10,9 +10,10 @@ uniform token ids, with 100 / 50 / 20 / 5 % of the table resident (chosen from t
 same stream that follow the measured ones), against the
 whole table pinned in host memory. Cold: the files' page cache dropped first (`posix_fadvise(DONTNEED)`);
 warm: the same steps again. Reported: ms per lookup, GB/s of useful bytes (row + scale per token and head),
-the ratio to the whole table, the host side's share of it (ids to the host + rows from the files into staging,
-timed alone; "cold" times it after the cold lookups, so warm), the share of ids served by resident rows. On an accelerator the lookup kernel
-reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an accelerator): a GPU hot-row cache
+the ratio to the whole table, the host side's share of the lookup (ids to the host + rows from the files into
+staging, timed alone; "cold" times it after the cold lookups, so warm), the share of ids served by resident rows,
+and the resident rows against the budget's slots (fewer: the calibration, not the budget, chose them). On an
+accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an accelerator): a GPU hot-row cache
 of S of the rows in front of every file-tier table, filled from the calibration ids first; the resident rows then
 come from the calibration ids it does not serve (results carry `hot_rows`, files `file_tier_{device}_hot.*`).
 Writes JSON + PNG into `--out`.
@@ -135,6 +136,7 @@ def main() -> None:
                 table.enable_hot_rows(max(1, int(args.hot_rows_share * rows))).fill(calibration)
             served = table.fill_resident_rows(calibration)
             hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.reshape(-1).cpu() - table.start] >= 0).float().mean())
+            resident = int((table.file_rows.slot_row >= 0).sum())  # below the slots: the calibration, not the budget, binds
             gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
             assert all(torch.equal(table.lookup(s), whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
             for f in directory.glob("*.safetensors"):
@@ -144,9 +146,11 @@ def main() -> None:
                 staging = timed_staging(table, steps)
                 results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=useful / t / 1e9,
                                     vs_whole=base / t, staging_s=staging, resident_hits=hits, calibration_served=served,
+                                    resident_rows=resident, slots=table.file_rows.slots,
                                     hot_rows=args.hot_rows_share, gpu_hits=gpu_hits))  # fmt: skip
                 print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {useful / t / 1e9:6.2f} GB/s  "
-                      f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})", flush=True)  # fmt: skip
+                      f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  "
+                      f"resident {resident}/{table.file_rows.slots} rows", flush=True)  # fmt: skip
             del table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
