@@ -24,7 +24,7 @@ if not torch.cuda.is_available():  # as the suite runs (conftest): Triton kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_vllm_file_tier import SERIALIZE, _differences, generate, start_engine  # noqa: E402
+from test_vllm_file_tier import SERIALIZE, _differences, generate, ple_blocks, start_engine  # noqa: E402
 
 from qwen4_exp_hcu.names import ple_layers  # noqa: E402
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of  # noqa: E402
@@ -36,15 +36,11 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _blocks(model):
-    return [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
-
-
 def install(model) -> None:
     """Wrap every PLE layer's lookup, table lookup and prefetch join to keep what they returned (eager steps only:
     a graph replay runs no Python)."""
     records = model._diagnosis = []
-    for block in _blocks(model):
+    for block in ple_blocks(model):
         layer, table, prefetch, name = block.layer, block.layer.table, block.prefetch, block.prefix
 
         def layer_lookup(batch, state, out=None, _orig=layer.lookup, _name=name):
@@ -75,7 +71,7 @@ def check(path: str):
     def run(model) -> list[str]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        blocks = _blocks(model)
+        blocks = ple_blocks(model)
         wholes = {b.prefix: load_ple_layer(path, i.layer_id, PLEStorage(host=True)).table
                   for b, i in zip(blocks, ple_layers(text_config_of(path)))}  # fmt: skip
         lines, last, steps = [], {}, []

@@ -23,12 +23,17 @@ SHARE = 0.2  # of the tables' bytes resident
 SERIALIZE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+def ple_blocks(model) -> list:
+    """The model's PLE blocks (in a worker: the modules holding a storage and a table)."""
+    return [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
+
+
 def _inspect(path):
     """A function for `apply_model`: per PLE layer, its storage description and whether every owned row looked
     up through the live table (hot-row cache, resident rows, files) equals the checkpoint's whole table."""
 
     def inspect(model):
-        blocks = [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
+        blocks = ple_blocks(model)
         found = []
         for block, index in zip(blocks, ple_layers(text_config_of(path)), strict=True):
             table = block.table
@@ -158,14 +163,14 @@ def test_a_full_graphs_padding_decodes_are_padding():
     token count, so `pack` marks the padding requests' tokens as padding: the file tier reads and counts no row for
     them (`test_file_rows.py::test_padding_tokens_read_no_file_and_are_not_counted`)."""
     from types import SimpleNamespace
-    from unittest import mock
 
+    from helpers.steps import patch_forward_context
     from qwen4_exp_hcu.model.ple_step import pack
 
     metadata = SimpleNamespace(spec_sequence_masks=None, num_decodes=4, num_prefills=0,
                                query_start_loc=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),  # 2 real of 4
                                state_indices_tensor_d=torch.tensor([[7], [9], [0], [0]]))  # fmt: skip
-    with mock.patch("qwen4_exp_hcu.model.ple_step.get_forward_context", lambda: SimpleNamespace(dp_metadata=None)):
+    with patch_forward_context():
         batch = pack(metadata, torch.arange(4))
     assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 4]  # the graph's requests, as captured
     assert int(batch.real_tokens) == 2

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
 from helpers.scenarios import EOS, GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, WIDE, logprob_errors
+from helpers.steps import patch_forward_context
 
 pytestmark = pytest.mark.vllm
 
@@ -200,14 +201,6 @@ def test_speculative_metadata_becomes_one_batch_in_request_order():
     assert batch.num_accepted.tolist() == [2, 1, 1, 4]
     assert batch.has_initial_state.tolist() == [True, True, False, True]
     assert batch.query_start_loc.tolist() == [0, 4, 5, 9, 11]
-
-
-def patch_forward_context():
-    """`pack_speculative` asks the forward context for DP metadata; a step without DP has none."""
-    from types import SimpleNamespace
-    from unittest import mock
-
-    return mock.patch("qwen4_exp_hcu.model.ple_step.get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
 
 
 def test_speculators_that_need_a_draft_model_are_rejected():

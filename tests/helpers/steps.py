@@ -1,4 +1,5 @@
-"""Step inputs of the layer-level tests: packed prompts, random prompt sets, and the steps of a DP schedule."""
+"""Step inputs of the layer-level tests: packed prompts, random prompt sets, the steps of a DP schedule, and the
+forward context of a step without DP (for `ple_step.pack`)."""
 
 import torch
 
@@ -36,3 +37,11 @@ def schedule_step(cfg, schedules, dp, step, num_layers, device="cpu") -> tuple[P
     hs = [torch.randn(T, C, generator=g).to(device) for _ in range(num_layers)]
     batch = PLEBatch.from_lengths(ids.to(device), [n for _, n, _ in reqs], [s for s, _, _ in reqs], [h for _, _, h in reqs])
     return batch, hs
+
+
+def patch_forward_context():
+    """`ple_step.pack` asks the forward context for DP metadata; a step without DP has none."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    return mock.patch("qwen4_exp_hcu.model.ple_step.get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
