@@ -113,14 +113,16 @@ def _injection_weights(logits_ptr, weights_ptr, rows, row_ok, logits_stride, HC:
 
 
 @triton.jit
-def _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale):
+def _down_silu_store(total, down_ptr, rest_ptr, rows, row_ok, cols, N, rank, scale):
     """Rounds the fp32 sums as the GEMM's bf16 output; columns < rank through the scaled silu into `down`, the
-    others into `rest`."""
+    others < N into `rest`. `down`'s mask leaves N out: its columns end at rank (a multiple of 16 in the release),
+    so its stores stay vectorized where N is not."""
     y = total.to(down_ptr.dtype.element_ty)
     h = (y.to(tl.float32) / scale).to(y.dtype).to(tl.float32)
     is_down = (cols < rank)[None, :]
-    tl.store(down_ptr + rows[:, None] * rank + cols[None, :], (h * tl.sigmoid(h)).to(y.dtype), mask=mask & is_down)
-    tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=mask & ~is_down)
+    tl.store(down_ptr + rows[:, None] * rank + cols[None, :], (h * tl.sigmoid(h)).to(y.dtype), mask=row_ok[:, None] & is_down)
+    rest_ok = row_ok[:, None] & ~is_down & (cols < N)[None, :]
+    tl.store(rest_ptr + rows[:, None] * (N - rank) + (cols[None, :] - rank), y, mask=rest_ok)
 
 
 @triton.jit
@@ -144,14 +146,16 @@ def _gemm_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T"])  # one kernel per block shape, not a second one for a single token
 def _down_silu_kernel(
-    x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, rank, scale,
+    x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, part_stride, rank, scale,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
     as the GEMM's bf16 output, stores columns < rank through the scaled silu into `down` and the others into
-    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly. The
+    `rest` (both contiguous: the up GEMM reads `down`), and resets the counter. One split stores directly. A partial
+    row is `part_stride` wide, N rounded up to 16, and masked by that width: Triton vectorizes what it knows is
+    16-aligned, and the release's N = 324 is not (scalar partial loads and stores there). The
     first K block's weights load before the wait for the previous kernel (`launch_pdl`): they are parameters, not
     its output, so with 10 splits of one K block at one token, all of a launch's weight reads overlap the kernel
     before it. The model's default from 2 rows; at one row `_down_silu_rows_kernel` is (this one there only with
@@ -173,19 +177,19 @@ def _down_silu_kernel(
         acc = _gemm_block(acc, x_ptr, w, rows, row_ok, k0 + ks, K, x_stride, DOT, UPCAST)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
-    mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT == 1:  # the whole K in this program: no partials, no counter
-        _down_silu_store(acc, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
+        _down_silu_store(acc, down_ptr, rest_ptr, rows, row_ok, cols, N, rank, scale)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
-        at = rows[:, None] * N + cols[None, :]
-        tl.store(part_ptr + split * T * N + at, acc, mask=mask)
+        mask = row_ok[:, None] & (cols < part_stride)[None, :]  # columns past N hold zeros (masked weights)
+        at = rows[:, None] * part_stride + cols[None, :]
+        tl.store(part_ptr + split * T * part_stride + at, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the counter's release (one thread performs it)
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(SPLIT):
-                total += tl.load(part_ptr + i * T * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-            _down_silu_store(total, down_ptr, rest_ptr, rows, cols, mask, N, rank, scale)
+                total += tl.load(part_ptr + i * T * part_stride + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _down_silu_store(total, down_ptr, rest_ptr, rows, row_ok, cols, N, rank, scale)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
 
 
@@ -214,7 +218,7 @@ def _down_silu_rows_kernel(
         if K_TAIL:
             x = tl.load(x_ptr + r * x_stride + tail, mask=(row < T) & (tail < K), other=0.0).to(tl.float32)
             acc += tl.sum(x[None, :] * w_tail.to(tl.float32), axis=1)
-        _down_silu_store(acc[None, :], down_ptr, rest_ptr, row, cols, (row < T)[:, None] & col_ok[None, :], N, rank, scale)
+        _down_silu_store(acc[None, :], down_ptr, rest_ptr, row, row < T, cols, N, rank, scale)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -381,9 +385,10 @@ def down_silu(
     if grid[2] > 1 and counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
-    part = torch.empty(grid[2], t, n, dtype=torch.float32, device=x.device) if grid[2] > 1 else down  # unused at 1
+    part_stride = triton.cdiv(n, 16) * 16
+    part = torch.empty(grid[2], t, part_stride, dtype=torch.float32, device=x.device) if grid[2] > 1 else down  # unused at 1
     _down_silu_kernel[grid](
-        x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), rank, scale,
+        x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), part_stride, rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
         num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
