@@ -9,7 +9,7 @@ Both variants run the same block: the pending injection fused into (kernels) or 
 norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gated mix. The GEMMs are
 `F.linear` in both; the merged one writes rows padded to 16 columns (336), as the model's does, and
 `kernels_unpadded` runs the kernels with its 324-column rows, which cuBLAS serves with align-2 kernels.
-`kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`, what the model runs there) does the merged GEMM and the silu in
+`kernels_down_silu` (up to `DOWN_SILU_MAX_TOKENS`; the model fuses up to 16 tokens) does the merged GEMM and the silu in
 one Triton launch, over the 324 rows that are not padding; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
 hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's

@@ -7,8 +7,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_serial   the same, `QWEN4_EXP_HCU_PREFETCH=0` (lookup inside the PLE layer)
   host_int8_no_pdl   the same, `QWEN4_EXP_HCU_PDL=0` (hyper-connection kernels without programmatic dependent launch)
   host_int8_gemm_down host_int8 with the hyper-connections' down projection through the GEMM library and the silu
-                     kernel at every batch (`QWEN4_EXP_HCU_TORCH_OPS=down_silu`), not `down_silu` at 1-32 tokens: where
-                     the fused launch pays in serving (kernel runs disagreed at 32 tokens: 1.27x in session 13, 0.87x in 19)
+                     kernel at every batch (`QWEN4_EXP_HCU_TORCH_OPS=down_silu`), not `down_silu` at 1-16 tokens: where
+                     the fused launch pays in serving (at 32 tokens the GEMM library won in serving, session 23, where
+                     the kernel sweep had the fused launch ahead: the model fuses up to 16 since)
   gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
   host_fp8           our class, upstream's FP8 table layout (e4m3 rows + one table scale) in pinned host memory
   vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
@@ -27,7 +28,7 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      whether the file tier's host function waits for the GIL)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (the file tier's
                      mode until its reads were captured in full graphs; sessions 8-17 measured it beside them)
-Reported: decode tokens/s at batch 1/32/256 (after a 64-token prompt, 64 new tokens, from the engine's own token
+Reported: decode tokens/s at batch 1/32/256 (`--batches`; after a 64-token prompt, 64 new tokens, from the engine's own token
 timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
 enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
 wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`; a batch the KV cache cannot
@@ -308,11 +309,11 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
 
     results = {}
     probe = prompt_source(args.prompts[0], vocab_size, torch.Generator().manual_seed(1))
-    timed([probe(DECODE_PROMPT) for _ in range(max(DECODE_BATCHES))], 3, repeats=1)  # the largest batch decodes as one
+    timed([probe(DECODE_PROMPT) for _ in range(max(args.batches))], 3, repeats=1)  # the largest batch decodes as one
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
         prompt = prompt_source(kind, vocab_size, gen)
         decode, wall_rate, fixed, profiles = {}, {}, {}, {}
-        for b in DECODE_BATCHES:
+        for b in args.batches:
             prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
             timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
             prefill_only, _ = timed(prompts, 1)
@@ -511,12 +512,13 @@ def plot(results: dict, path: Path, caption: str) -> None:
     ok = {k: r for k, r in results.items() if "decode_tokens_per_s" in r}  # not failed, not `--memory-only`
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(ok), 1)
+    batches = sorted({int(b) for r in ok.values() for b in r["decode_tokens_per_s"]})
     for ax, key, groups, title in (
-        (axes[0], "decode_tokens_per_s", DECODE_BATCHES, "decode tokens/s by batch"),
+        (axes[0], "decode_tokens_per_s", batches, "decode tokens/s by batch"),
         (axes[1], "prefill_tokens_per_s", PREFILL_LENGTHS, "prefill tokens/s by prompt length"),
     ):
         for i, (name, r) in enumerate(ok.items()):
-            ax.bar([g + i * width for g in range(len(groups))], [r[key][str(g)] for g in groups], width, label=name)
+            ax.bar([g + i * width for g in range(len(groups))], [r[key].get(str(g), 0) for g in groups], width, label=name)
         ax.set_xticks([g + width * (len(ok) - 1) / 2 for g in range(len(groups))], [str(g) for g in groups])
         ax.set_title(title)
     axes[0].legend(fontsize=8)
@@ -543,10 +545,8 @@ def decode_ratios(results: dict) -> dict:
         for ref in ("host_int8", "host_int8_sync", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
             ref += key[len(name):]
             if key != ref and all("decode_tokens_per_s" in results.get(k, {}) for k in (key, ref)):
-                ratios[f"{key}/{ref}"] = {
-                    b: results[key]["decode_tokens_per_s"][str(b)] / results[ref]["decode_tokens_per_s"][str(b)]
-                    for b in DECODE_BATCHES
-                }
+                ours_rate, ref_rate = results[key]["decode_tokens_per_s"], results[ref]["decode_tokens_per_s"]
+                ratios[f"{key}/{ref}"] = {int(b): ours_rate[b] / ref_rate[b] for b in ours_rate if b in ref_rate}
     return ratios
 
 
@@ -592,6 +592,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=560, help="seconds per variant (a 48-layer first start compiles for minutes)")
     parser.add_argument("--plot-only", action="store_true", help="draw the PNG from an existing JSON")
     parser.add_argument("--profile", action="store_true", help="also profile one decode run per batch")
+    parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES), help="decode batch sizes")
     parser.add_argument("--geometry", choices=["synthetic", "release"], default="synthetic")
     parser.add_argument("--table-gb", type=float, default=13.0, help="with --geometry release: INT8 table GB")
     parser.add_argument("--graph-mode", choices=GRAPH_MODES, default="breakable")
@@ -636,7 +637,7 @@ def main() -> None:
         result = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
-        cmd += ["--graph-mode", args.graph_mode] + (["--profile"] if args.profile else [])
+        cmd += ["--graph-mode", args.graph_mode, "--batches", *map(str, args.batches)] + (["--profile"] if args.profile else [])
         cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
         if args.cold:
             for f in Path(checkpoint).glob("*.safetensors"):

@@ -101,3 +101,13 @@ def test_rounds_pair_each_variant_with_its_own_rounds_reference():
     spread = bench_serve.ratio_rounds(ratios)
     assert set(spread) == {"host_int8_files20@text/host_int8_piecewise@text"}  # one round on uniform ids: no spread
     assert spread["host_int8_files20@text/host_int8_piecewise@text"][32] == pytest.approx((1.1, 1.15, 1.2))
+
+
+def test_ratios_and_plot_follow_the_batches_measured(tmp_path):
+    """`--batches 1 16`: a run at other batch sizes than the defaults is compared at the batches both engines
+    decoded, and drawn at those."""
+    results = {"host_int8": {"decode_tokens_per_s": {"1": 70.0, "16": 1000.0}, "prefill_tokens_per_s": {"4096": 1.0, "16384": 1.0}},
+               "vllm_host_fp8": {"decode_tokens_per_s": {"1": 35.0, "16": 500.0, "32": 900.0}, "prefill_tokens_per_s": {"4096": 1.0, "16384": 1.0}}}  # fmt: skip
+    assert bench_serve.decode_ratios(results) == {"host_int8/vllm_host_fp8": {1: 2.0, 16: 2.0}}
+    bench_serve.plot(results, tmp_path / "serve.png", "made-up rates")
+    assert (tmp_path / "serve.png").stat().st_size > 0

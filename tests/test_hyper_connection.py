@@ -406,19 +406,20 @@ def test_the_merged_gemm_writes_aligned_rows(tiny_model):
 
 @pytest.mark.vllm
 def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeypatch):
-    """Which batches take `down_silu`: 1..DOWN_SILU_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
+    """Which batches take `down_silu`: 1..FUSED_DOWN_MAX_TOKENS tokens on a CUDA-alike device, eager or in a
     CUDA graph; never on the CPU, under torch.compile, in vLLM's batch-invariant mode or where
     `QWEN4_EXP_HCU_TORCH_OPS` names it."""
     from types import SimpleNamespace
 
     from vllm import envs
 
-    from qwen4_exp_hcu.model.hyper_connection import GatedResidual
+    from qwen4_exp_hcu.model.hyper_connection import FUSED_DOWN_MAX_TOKENS, GatedResidual
 
     def fused(tokens, device="cuda"):
         return GatedResidual._fuse_down(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)))
 
-    assert [fused(t) for t in (0, 1, hc.DOWN_SILU_MAX_TOKENS, hc.DOWN_SILU_MAX_TOKENS + 1)] == [False, True, True, False]
+    assert FUSED_DOWN_MAX_TOKENS <= hc.DOWN_SILU_MAX_TOKENS
+    assert [fused(t) for t in (0, 1, FUSED_DOWN_MAX_TOKENS, FUSED_DOWN_MAX_TOKENS + 1)] == [False, True, True, False]
     assert not fused(1, "cpu")
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
     assert not fused(1)

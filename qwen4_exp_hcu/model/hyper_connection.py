@@ -15,7 +15,6 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, Replic
 
 from qwen4_exp_hcu.kernels import dispatch, torch_ops
 from qwen4_exp_hcu.kernels.hyper_connection import (
-    DOWN_SILU_MAX_TOKENS,
     DOWN_SILU_TILES,
     down_silu,
     gate_mix,
@@ -29,6 +28,10 @@ from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
 Pending = tuple[torch.Tensor, torch.Tensor]  # a block's output and its injection weights, not yet injected
+# `down_silu` serves up to 32 tokens; the model fuses up to 16. Served on the H200 at the release's geometry (session 23,
+# FULL_DECODE_ONLY), 32 tokens took 17.55 ms of GPU time a step through the GEMM library and 17.78 through
+# `down_silu`, though the kernel sweep had the fused launch 1.08x ahead there (benchmarks/results/hyper_connection)
+FUSED_DOWN_MAX_TOKENS = 16
 
 
 class GatedResidual(nn.Module):
@@ -89,7 +92,7 @@ class GatedResidual(nn.Module):
             return False
         if "down_silu" in torch_ops():
             return False  # its torch reference is the GEMM library's path
-        return 1 <= normed.shape[0] <= DOWN_SILU_MAX_TOKENS
+        return 1 <= normed.shape[0] <= FUSED_DOWN_MAX_TOKENS
 
 
 def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
