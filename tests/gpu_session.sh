@@ -7,7 +7,8 @@
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #   test                           pytest $TESTS [-k "$K"] (LIM: seconds, default 500; every case runs, no -x: one failure
-#                                  must not hide the others' figures; result files -> $OUT/results)
+#                                  must not hide the others' figures; each case's outcome as it ends, the last TAIL lines
+#                                  (default 40); result files -> $OUT/results)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 #   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (not timed yet: keep
@@ -48,8 +49,9 @@ PY
   serve) python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
-  test) timeout "${LIM:-500}" python3 -m pytest -q -s -rs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
-          | grep -a "PARITY\|passed\|failed\|Error\|SKIPPED\|^E " | cut -c1-400 | tail -"${TAIL:-40}" ;;
+  test) timeout "${LIM:-500}" python3 -m pytest -v -s -rfs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
+          | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \
+          | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 --formats-table-gb 0 --out "$OUT/lookup_release_tp1" 2>&1 | grep -v "^ \|^{\|^}" | tail -40 ;;

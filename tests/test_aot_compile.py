@@ -236,7 +236,8 @@ def _compile_in_worker(variant: str, target: str, specialize: bool) -> dict:
             "launch_pdl": compiled.metadata.launch_pdl if TARGETS[target].backend == "cuda" else False,
             "griddepcontrol": sorted({w for w in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
                                       if w in compiled.asm.get("ptx", "")}),
-            "cg_loads": sorted(set(re.findall(r"ld\.global\.cg[\w.]*", compiled.asm.get("ptx", ""))))}  # fmt: skip
+            "cg_loads": sorted(set(re.findall(r"ld\.global\.cg[\w.]*", compiled.asm.get("ptx", "")))),
+            "order": re.findall(r"griddepcontrol\.wait|ld\.global|bar\.sync", compiled.asm.get("ptx", ""))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +261,8 @@ def compile_aot(request):
             submit(item.callspec.params["variant"], "sm90", True)
         elif getattr(item, "originalname", None) == test_down_silu_adds_its_partial_sums_in_vector_loads.__name__:
             submit("hc-down-silu-32-pdl", "sm90", True)
+        elif getattr(item, "originalname", None) == test_whole_row_down_silu_reads_x_in_one_round_trip.__name__:
+            submit("hc-down-silu-1-pdl", "sm90", True)
     try:
         yield lambda *case: submit(*case).result()
     finally:
@@ -296,6 +299,16 @@ def test_down_silu_adds_its_partial_sums_in_vector_loads(compile_aot):
     result = compile_aot("hc-down-silu-32-pdl", "sm90", True)
     assert "error" not in result, result.get("error")
     assert result["cg_loads"] == ["ld.global.cg.v4.b32"]
+
+
+def test_whole_row_down_silu_reads_x_in_one_round_trip(compile_aot):
+    """At one token, after the wait for the previous kernel, every x load is issued before the one reduction across
+    threads (one barrier): summed a K block at a time, the tail's loads waited for the head's reduction, two L2 round
+    trips on the path of a launch that the decode step runs 97 times."""
+    result = compile_aot("hc-down-silu-1-pdl", "sm90", True)
+    assert "error" not in result, result.get("error")
+    after_wait = result["order"][result["order"].index("griddepcontrol.wait") + 1 :]
+    assert after_wait.count("bar.sync") == 1 and "ld.global" not in after_wait[after_wait.index("bar.sync") :], after_wait
 
 
 def test_a_kernel_a_target_cannot_compile_fails(compile_aot):

@@ -196,29 +196,37 @@ def _down_silu_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _down_silu_rows_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, T, K, N, x_stride, w_stride, rank, scale,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K_HEAD: tl.constexpr, K_TAIL: tl.constexpr, launch_pdl: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, TAIL: tl.constexpr,
+    launch_pdl: tl.constexpr,
 ):  # fmt: skip
-    """Program per `BLOCK_N` columns holding their whole weight rows in registers: K in a power-of-two head and a
-    masked tail (10 240 = 8 192 + 2 048), both loaded before the wait for the previous kernel, so a launch's weight
-    reads overlap it entirely; then multiply-adds over each of up to ROWS token rows (x from L2). No K splits, no
-    partials: vLLM's CuTe FMA kernel's scheme."""
+    """Program per `BLOCK_N` columns holding their whole weight rows in registers, K as HEAD_ROWS blocks of K_BLOCK
+    and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the wait for the
+    previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds over each of up to ROWS token
+    rows (x from L2). A row's x loads are all issued before its sums, and the blocks are added within each thread
+    before one reduction across threads: summed a block at a time, the tail's x loads waited for the head's
+    reduction and its barrier, two L2 round trips after the wait instead of one. No K splits, no partials: vLLM's
+    CuTe FMA kernel's scheme."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    head = tl.arange(0, K_HEAD)
-    w_head = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + head[None, :], mask=col_ok[:, None], other=0.0)
-    if K_TAIL:
-        tail = K_HEAD + tl.arange(0, K_TAIL)
-        w_tail = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + tail[None, :], mask=col_ok[:, None] & (tail < K)[None, :], other=0.0)
+    col_ok = cols[:, None, None] < N
+    ks = tl.arange(0, K_BLOCK)
+    head = tl.arange(0, HEAD_ROWS)[:, None] * K_BLOCK + ks[None, :]  # [HEAD_ROWS, K_BLOCK]
+    tail = HEAD_ROWS * K_BLOCK + ks[None, :]  # [1, K_BLOCK]
+    w_rows = w_ptr + cols[:, None, None].to(tl.int64) * w_stride
+    w_head = tl.load(w_rows + head[None, :, :], mask=col_ok, other=0.0)
+    if TAIL:
+        w_tail = tl.load(w_rows + tail[None, :, :], mask=col_ok & (tail < K)[None, :, :], other=0.0)
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
     for r in tl.static_range(ROWS):
         row = tl.full([1], r, tl.int64)
-        x = tl.load(x_ptr + r * x_stride + head, mask=row < T, other=0.0).to(tl.float32)
-        acc = tl.sum(x[None, :] * w_head.to(tl.float32), axis=1)
-        if K_TAIL:
-            x = tl.load(x_ptr + r * x_stride + tail, mask=(row < T) & (tail < K), other=0.0).to(tl.float32)
-            acc += tl.sum(x[None, :] * w_tail.to(tl.float32), axis=1)
-        _down_silu_store(acc[None, :], down_ptr, rest_ptr, row, row < T, cols, N, rank, scale)
+        row_ok = row < T
+        x_head = tl.load(x_ptr + r * x_stride + head, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if TAIL:
+            x_tail = tl.load(x_ptr + r * x_stride + tail, mask=row_ok[:, None] & (tail < K), other=0.0).to(tl.float32)
+        part = tl.sum(x_head[None, :, :] * w_head.to(tl.float32), axis=1)  # [BLOCK_N, K_BLOCK]
+        if TAIL:
+            part += tl.sum(x_tail[None, :, :] * w_tail.to(tl.float32), axis=1)
+        _down_silu_store(tl.sum(part, axis=1)[None, :], down_ptr, rest_ptr, row, row_ok, cols, N, rank, scale)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -401,10 +409,12 @@ def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scal
         raise ValueError(f"down_silu: {t} rows; whole weight rows serve 1..{WHOLE_ROWS_MAX_TOKENS}")
     head = 1 << (k.bit_length() - 1)  # K = head + tail, the tail a masked power of two (0: none)
     tail = triton.next_power_of_2(k - head) if k > head else 0
+    block = tail or head  # the head as head // block blocks of the tail's width
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
     block_n = config.block_n or 1
     _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
-        BLOCK_N=block_n, K_HEAD=head, K_TAIL=tail, num_warps=config.num_warps or 2, launch_pdl=launch_pdl(x),
+        BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0, num_warps=config.num_warps or 2,
+        launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
