@@ -201,32 +201,33 @@ def _down_silu_rows_kernel(
 ):  # fmt: skip
     """Program per `BLOCK_N` columns holding their whole weight rows in registers, K as HEAD_ROWS blocks of K_BLOCK
     and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the wait for the
-    previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds over each of up to ROWS token
-    rows (x from L2). A row's x loads are all issued before its sums, and the blocks are added within each thread
-    before one reduction across threads: summed a block at a time, the tail's x loads waited for the head's
-    reduction and its barrier, two L2 round trips after the wait instead of one. No K splits, no partials: vLLM's
-    CuTe FMA kernel's scheme."""
+    previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with up to ROWS token rows
+    (x from L2). Every x load is issued before any sum, and the blocks are added within each thread before one
+    reduction across threads for all rows: summed a block (or a row) at a time, each next x load waited for the
+    previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's CuTe FMA kernel's
+    scheme."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols[:, None, None] < N
-    ks = tl.arange(0, K_BLOCK)
-    head = tl.arange(0, HEAD_ROWS)[:, None] * K_BLOCK + ks[None, :]  # [HEAD_ROWS, K_BLOCK]
-    tail = HEAD_ROWS * K_BLOCK + ks[None, :]  # [1, K_BLOCK]
-    w_rows = w_ptr + cols[:, None, None].to(tl.int64) * w_stride
-    w_head = tl.load(w_rows + head[None, :, :], mask=col_ok, other=0.0)
+    rows = tl.arange(0, ROWS)
+    # 4-D throughout, [rows, columns, K blocks, K_BLOCK], so that no loaded tensor changes layout (through shared memory)
+    ks = tl.arange(0, K_BLOCK)[None, None, None, :]
+    head = tl.arange(0, HEAD_ROWS)[None, None, :, None] * K_BLOCK + ks
+    tail = HEAD_ROWS * K_BLOCK + ks
+    col_ok = cols[None, :, None, None] < N
+    w_rows = w_ptr + cols[None, :, None, None].to(tl.int64) * w_stride
+    w_head = tl.load(w_rows + head, mask=col_ok, other=0.0)  # [1, BLOCK_N, HEAD_ROWS, K_BLOCK]
     if TAIL:
-        w_tail = tl.load(w_rows + tail[None, :, :], mask=col_ok & (tail < K)[None, :, :], other=0.0)
+        w_tail = tl.load(w_rows + tail, mask=col_ok & (tail < K), other=0.0)  # [1, BLOCK_N, 1, K_BLOCK]
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
-    for r in tl.static_range(ROWS):
-        row = tl.full([1], r, tl.int64)
-        row_ok = row < T
-        x_head = tl.load(x_ptr + r * x_stride + head, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        if TAIL:
-            x_tail = tl.load(x_ptr + r * x_stride + tail, mask=row_ok[:, None] & (tail < K), other=0.0).to(tl.float32)
-        part = tl.sum(x_head[None, :, :] * w_head.to(tl.float32), axis=1)  # [BLOCK_N, K_BLOCK]
-        if TAIL:
-            part += tl.sum(x_tail[None, :, :] * w_tail.to(tl.float32), axis=1)
-        _down_silu_store(tl.sum(part, axis=1)[None, :], down_ptr, rest_ptr, row, row_ok, cols, N, rank, scale)
+    row_ok = rows[:, None, None, None] < T
+    x_rows = x_ptr + rows[:, None, None, None].to(tl.int64) * x_stride
+    x_head = tl.load(x_rows + head, mask=row_ok, other=0.0)  # [ROWS, 1, HEAD_ROWS, K_BLOCK]
+    if TAIL:
+        x_tail = tl.load(x_rows + tail, mask=row_ok & (tail < K), other=0.0)
+    part = tl.sum(x_head.to(tl.float32) * w_head.to(tl.float32), axis=2)  # [ROWS, BLOCK_N, K_BLOCK]
+    if TAIL:
+        part += tl.sum(x_tail.to(tl.float32) * w_tail.to(tl.float32), axis=2)
+    _down_silu_store(tl.sum(part, axis=2), down_ptr, rest_ptr, rows, rows < T, cols, N, rank, scale)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -357,7 +358,7 @@ class DownSiluConfig:
     split: int = 10
     block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
-    num_warps: int | None = None  # None: 2 at one row and for whole rows, 4 with `tl.dot`
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 a row up to 8 (all rows' x in registers)
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` up to WHOLE_ROWS_MAX_TOKENS rows (split, block_k unused);
     # None: at one row only (session 19's sweep: 4.28 against 4.97 us for 10 splits; at 4 rows 7.58 against 6.81)
 
@@ -414,7 +415,8 @@ def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scal
     block_n = config.block_n or 1
     _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
-        BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0, num_warps=config.num_warps or 2,
+        BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0,
+        num_warps=config.num_warps or min(8, 2 * triton.next_power_of_2(t)),
         launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
