@@ -176,7 +176,10 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     for tokens, kernel in ((1, "_down_silu_rows_kernel"), (32, "_down_silu_kernel")):  # whole rows, and split-K dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    return {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
+    launches = {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
+    # UPCAST is the CPU interpreter's fp32 detour (`_gemm_block`); a GPU runs bf16 dots, which is what compiles here
+    return {name: Launch(l.kernel, l.args, {**l.kwargs, "UPCAST": False} if "UPCAST" in l.kwargs else l.kwargs)
+            for name, l in launches.items()}  # fmt: skip
 
 
 def _launches() -> dict[str, Launch]:
