@@ -48,8 +48,13 @@ def pack(metadata, input_ids: torch.Tensor) -> PLEBatch:
         qsl.append(metadata.query_start_loc_p[1:].long() + metadata.num_decode_tokens)
         slots.append(metadata.state_indices_tensor_p[:p].long())
         initial.append(metadata.has_initial_states_p[:p])
-    return PLEBatch(input_ids, torch.cat(qsl), torch.cat(slots), torch.cat(initial), dp_max_tokens(),
+    return PLEBatch(input_ids, _cat(qsl), _cat(slots), _cat(initial), dp_max_tokens(),
                     num_real_tokens=metadata.query_start_loc[-1])
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat` without its copy kernel for one part (a decode-only step: three kernels fewer a step)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:
