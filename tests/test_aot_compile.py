@@ -265,10 +265,6 @@ def compile_aot(request):
             submit(*(item.callspec.params[k] for k in ("variant", "target", "specialize")))
         elif getattr(item, "originalname", None) == test_hopper_launches_hyper_connection_kernels_dependently.__name__:
             submit(item.callspec.params["variant"], "sm90", True)
-        elif getattr(item, "originalname", None) == test_down_silu_adds_its_partial_sums_in_vector_loads.__name__:
-            submit("hc-down-silu-32-pdl", "sm90", True)
-        elif getattr(item, "originalname", None) == test_whole_row_down_silu_reads_x_in_one_round_trip.__name__:
-            submit("hc-down-silu-1-pdl", "sm90", True)
     try:
         yield lambda *case: submit(*case).result()
     finally:
