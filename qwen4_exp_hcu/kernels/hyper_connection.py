@@ -158,8 +158,8 @@ def _down_silu_kernel(
     16-aligned, and the release's N = 324 is not (scalar partial loads and stores there). The
     first K block's weights load before the wait for the previous kernel (`launch_pdl`): they are parameters, not
     its output, so with 10 splits of one K block at one token, all of a launch's weight reads overlap the kernel
-    before it. The model's default from 2 rows; at one row `_down_silu_rows_kernel` is (this one there only with
-    `whole_rows=False`, for the sweep)."""
+    before it. The model's default above WHOLE_ROWS_MAX_TOKENS rows; up to there `_down_silu_rows_kernel` is (this one
+    there only with `whole_rows=False`, for the sweep)."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -353,14 +353,17 @@ class DownSiluConfig:
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
     (None: 256 with `tl.dot`, 1024 without), or whole weight rows. The defaults: the H200 sweep's best at the
     release's shape, weights beyond L2 (session 13; whole rows at one row from session 19, 0.86x vLLM's CuTe kernel
-    against 0.73x); session 14's sweep put them within 8 % of its best at every size (benchmarks/results/hyper_connection)."""
+    against 0.73x, and up to 4 rows from session 24); session 14's sweep put them within 8 % of its best at every size
+    (benchmarks/results/hyper_connection)."""
 
     split: int = 10
     block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 a row up to 8 (all rows' x in registers)
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
+    # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` up to WHOLE_ROWS_MAX_TOKENS rows (split, block_k unused);
-    # None: at one row only (session 19's sweep: 4.28 against 4.97 us for 10 splits; at 4 rows 7.58 against 6.81)
+    # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
+    # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
 
 
 def down_silu_reference(
@@ -383,7 +386,7 @@ def down_silu(
         raise ValueError(f"down_silu: {t} rows; it serves 1..{DOWN_SILU_MAX_TOKENS}, a GEMM library the rest")
     # rows at any stride (ROCm's vLLM pads a weight's rows against cache aliasing), columns contiguous
     x, weight = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, weight))
-    if config.whole_rows or (config.whole_rows is None and t == 1):
+    if config.whole_rows or (config.whole_rows is None and t <= WHOLE_ROWS_MAX_TOKENS):
         return _down_silu_whole_rows(x, weight, rank, scale, config)
     dot = t > 1  # measured on the H200: multiply-adds win at one row only (4 rows: 0.62x the GEMM library)
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n or (16 if dot else 4)
@@ -416,7 +419,7 @@ def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scal
     _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
         BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0,
-        num_warps=config.num_warps or min(8, 2 * triton.next_power_of_2(t)),
+        num_warps=config.num_warps or (2 if t == 1 else 4),
         launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
