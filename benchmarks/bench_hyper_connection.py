@@ -74,16 +74,16 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
-    blocks, 4 warps (8 lost everywhere). Up to WHOLE_ROWS_MAX_TOKENS also `whole_rows` (vLLM's CuTe FMA kernel's scheme,
-    1-2 columns a program, every weight loaded before the wait; the K loop's split 1 with 1-2 columns, its stand-in
-    until session 19, lost to 10 splits by 14-40 % in session 18)."""
+    blocks, 4 warps (8 lost everywhere). At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns
+    a program, every weight loaded before the wait, above 4 tokens a program per 4 rows; the K loop's split 1 with 1-2
+    columns, its stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
     grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
     dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
-    return dots + (whole if tokens <= hc.WHOLE_ROWS_MAX_TOKENS else [])
+    return dots + whole
 
 
 def config_label(c: hc.DownSiluConfig) -> str:

@@ -199,15 +199,16 @@ def _down_silu_rows_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, TAIL: tl.constexpr,
     launch_pdl: tl.constexpr,
 ):  # fmt: skip
-    """Program per `BLOCK_N` columns holding their whole weight rows in registers, K as HEAD_ROWS blocks of K_BLOCK
-    and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the wait for the
-    previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with up to ROWS token rows
-    (x from L2). Every x load is issued before any sum, and the blocks are added within each thread before one
+    """Program per `BLOCK_N` columns and ROWS token rows holding their whole weight rows in registers, K as HEAD_ROWS
+    blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the
+    wait for the previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with its rows
+    (x from L2). More than ROWS tokens: a row group per program along the grid's second axis, each reading the
+    weights again (from L2 after the first). Every x load is issued before any sum, and the blocks are added within each thread before one
     reduction across threads for all rows: summed a block (or a row) at a time, each next x load waited for the
     previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's CuTe FMA kernel's
     scheme."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, ROWS)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     # 4-D throughout, [rows, columns, K blocks, K_BLOCK], so that no loaded tensor changes layout (through shared memory)
     ks = tl.arange(0, K_BLOCK)[None, None, None, :]
     head = tl.arange(0, HEAD_ROWS)[None, None, :, None] * K_BLOCK + ks
@@ -343,7 +344,9 @@ def gate_mix(
 # at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without); in serving, 560 against 802 us per 48-layer step at
 # one token. At one token whole rows since session 19: 2.10x (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
-WHOLE_ROWS_MAX_TOKENS = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA)
+WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; more rows, as many row groups (`whole_rows=True`, for the sweep)
+WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
+# all 4 rows' x in registers: 211 registers a thread at 4 warps, no spills (ptxas, sm_90a)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
 
 
@@ -361,7 +364,7 @@ class DownSiluConfig:
     block_k: int | None = None
     num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
     # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
-    whole_rows: bool | None = None  # `_down_silu_rows_kernel` up to WHOLE_ROWS_MAX_TOKENS rows (split, block_k unused);
+    whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k unused);
     # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
 
@@ -409,15 +412,13 @@ def down_silu(
 
 def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scale: float, config: DownSiluConfig):
     (t, k), n = x.shape, weight.shape[0]
-    if t > WHOLE_ROWS_MAX_TOKENS:
-        raise ValueError(f"down_silu: {t} rows; whole weight rows serve 1..{WHOLE_ROWS_MAX_TOKENS}")
     head = 1 << (k.bit_length() - 1)  # K = head + tail, the tail a masked power of two (0: none)
     tail = triton.next_power_of_2(k - head) if k > head else 0
     block = tail or head  # the head as head // block blocks of the tail's width
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
-    block_n = config.block_n or 1
-    _down_silu_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=triton.next_power_of_2(t),
+    block_n, rows = config.block_n or 1, min(triton.next_power_of_2(t), WHOLE_ROWS_PER_PROGRAM)
+    _down_silu_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(t, rows))](
+        x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=rows,
         BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0,
         num_warps=config.num_warps or (2 if t == 1 else 4),
         launch_pdl=launch_pdl(x),
