@@ -176,8 +176,8 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     for tokens, kernel in ((1, "_down_silu_rows_kernel"), (32, "_down_silu_kernel")):  # whole rows, and split-K dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    whole_rows = hyper_connection.DownSiluConfig(whole_rows=True)  # the most rows they serve (the sweep's, MTP's 4 tokens)
-    normed = torch.zeros(hyper_connection.WHOLE_ROWS_MAX_TOKENS, hc * h, dtype=torch.bfloat16)
+    whole_rows = hyper_connection.DownSiluConfig(whole_rows=True)  # the most rows a program holds (MTP's 4 tokens)
+    normed = torch.zeros(hyper_connection.WHOLE_ROWS_PER_PROGRAM, hc * h, dtype=torch.bfloat16)
     calls["down-silu-rows"] = ("_down_silu_rows_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, whole_rows)
     launches = {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
     # UPCAST is the CPU interpreter's fp32 detour (`_gemm_block`); a GPU runs bf16 dots, which is what compiles here

@@ -203,10 +203,10 @@ def _down_silu_rows_kernel(
     blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the
     wait for the previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with its rows
     (x from L2). More than ROWS tokens: a row group per program along the grid's second axis, each reading the
-    weights again (from L2 after the first). Every x load is issued before any sum, and the blocks are added within each thread before one
-    reduction across threads for all rows: summed a block (or a row) at a time, each next x load waited for the
-    previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's CuTe FMA kernel's
-    scheme."""
+    weights again (from L2 after the first). Every x load is issued before any sum, and the blocks are added within
+    each thread before one reduction across threads for all rows: summed a block (or a row) at a time, each next x
+    load waited for the previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's
+    CuTe FMA kernel's scheme."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     # 4-D throughout, [rows, columns, K blocks, K_BLOCK], so that no loaded tensor changes layout (through shared memory)
