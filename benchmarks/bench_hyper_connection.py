@@ -75,9 +75,14 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
     blocks, 4 warps (8 lost everywhere). At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns
-    a program, every weight loaded before the wait, above 4 tokens a program per 4 rows; the K loop's split 1 with 1-2
-    columns, its stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
+    a program, every weight loaded before the wait; above 4 tokens 1-4 columns, a program per 4 rows or all rows'
+    groups in turn; the K loop's split 1 with 1-2 columns, its stand-in until session 19, lost to 10 splits by 14-40 %
+    in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
+    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # a program per group of rows, or every group in turn (its weights held)
+        groups = (1, -(-tokens // hc.WHOLE_ROWS_PER_PROGRAM))
+        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w, row_groups=g)  # ptxas: 2 columns spill at 4
+                 for (n, w), g in itertools.product(((1, 4), (1, 8), (2, 8), (4, 8)), groups)]  # warps, 4 all but a little at 8
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
@@ -87,7 +92,9 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
 
 
 def config_label(c: hc.DownSiluConfig) -> str:
-    return f"rows_n{c.block_n}_w{c.num_warps}" if c.whole_rows else f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}"
+    if c.whole_rows:
+        return f"rows_n{c.block_n}_w{c.num_warps}" + (f"_g{c.row_groups}" if c.row_groups else "")
+    return f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}"
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

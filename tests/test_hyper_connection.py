@@ -129,12 +129,14 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2, whole_rows=False), id="1-two_columns_two_warps")]
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024, whole_rows=False), id="1-a_column_per_program")]
     + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
-    + [pytest.param(t, hc.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4), (17, 2))],
+    + [pytest.param(t, hc.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4), (17, 2))]
+    + [pytest.param(17, hc.DownSiluConfig(whole_rows=True, block_n=4, row_groups=g), id=f"17-whole_rows_{g}_groups_a_program") for g in (2, 5)],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
     zero partials), fewer splits with wider tiles, (one token: no `tl.dot`) narrow blocks reading whole rows, and
-    whole rows in row groups (17 tokens: 5 groups, the last of one row)."""
+    whole rows in row groups (17 tokens: 5 groups, the last of one row), a program per group or holding its weights
+    over several (2 a program: the third program's second group lies past the rows)."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
     got = hc.down_silu(x, weight, 30, 4.0, counts, config)
     _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
@@ -151,8 +153,9 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     block_n=st.sampled_from([1, 2, 4, 16, 32]),
     block_k=st.sampled_from([16, 64, 256]),
     whole_rows=st.booleans(),
+    row_groups=st.sampled_from([None, 2, 5]),
 )
-def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, whole_rows):
+def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, block_k, whole_rows, row_groups):
     """Every launch the sweep could pick, on shapes no block divides: K spans ending mid-block, splits with nothing
     to add, a program per column, whole rows of any K (with a masked tail, none at a power of two); the counters
     end at zero."""
@@ -160,7 +163,7 @@ def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, bl
     x = _randn(tokens, k, dtype=torch.float32, seed=k)
     weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
     counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32)
-    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, whole_rows=whole_rows)
+    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, whole_rows=whole_rows, row_groups=row_groups)
     _assert_all_close(hc.down_silu(x, weight, 30, 4.0, counts, config), hc.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
