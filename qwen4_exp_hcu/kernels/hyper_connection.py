@@ -343,7 +343,8 @@ def gate_mix(
 # above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
 # own weights (from HBM, as in serving), session 14's split-K defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
 # at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without); in serving, 560 against 802 us per 48-layer step at
-# one token. At one token whole rows since session 19: 2.10x (benchmarks/results/hyper_connection)
+# one token. Whole rows at one token since session 19 (2.11x in session 24), up to 4 since session 24 (1.56x at 4)
+# (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
 WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; more rows, as many row groups (`whole_rows=True`, for the sweep)
 WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
