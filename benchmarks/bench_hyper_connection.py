@@ -79,10 +79,11 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     groups in turn; the K loop's split 1 with 1-2 columns, its stand-in until session 19, lost to 10 splits by 14-40 %
     in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
-    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # a program per group of rows, or every group in turn (its weights held)
+    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # a program per group of rows, or every group in turn (its weights held);
+        # (columns, warps) that ptxas compiles without spills at sm_90a, or nearly (4 columns, 8 warps)
         groups = (1, -(-tokens // hc.WHOLE_ROWS_PER_PROGRAM))
-        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w, row_groups=g)  # ptxas: 2 columns spill at 4
-                 for (n, w), g in itertools.product(((1, 4), (1, 8), (2, 8), (4, 8)), groups)]  # warps, 4 all but a little at 8
+        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w, row_groups=g)
+                 for (n, w), g in itertools.product(((1, 4), (1, 8), (2, 8), (4, 8)), groups)]  # fmt: skip
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole

@@ -199,10 +199,10 @@ def _down_silu_rows_kernel(
     ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_ROWS: tl.constexpr, K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
-    """Program per `BLOCK_N` columns and GROUPS groups of ROWS token rows holding their whole weight rows in registers, K as HEAD_ROWS
-    blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the
-    wait for the previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with its rows
-    (x from L2), a group at a time. More groups: programs along the grid's second axis, each reading the weights
+    """Program per `BLOCK_N` columns and GROUPS groups of ROWS token rows holding their whole weight rows in
+    registers, K as HEAD_ROWS blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 +
+    2 048), all loaded before the wait for the previous kernel, so a launch's weight reads overlap it entirely; then
+    multiply-adds with its rows (x from L2), a group at a time. More groups: programs along the grid's second axis, each reading the weights
     again (from L2 after the first). Every x load of a group is issued before any sum, and the blocks are added within
     each thread before one reduction across threads for all rows: summed a block (or a row) at a time, each next x
     load waited for the previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's
