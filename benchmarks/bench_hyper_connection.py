@@ -88,14 +88,8 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
     grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
-    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4) for s, k in grid]
+    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, whole_rows=False) for s, k in grid]
     return dots + whole
-
-
-def config_label(c: hc.DownSiluConfig) -> str:
-    if c.whole_rows:
-        return f"rows_n{c.block_n}_w{c.num_warps}" + (f"_g{c.row_groups}" if c.row_groups else "")
-    return f"split{c.split}_n{c.block_n}_k{c.block_k}_w{c.num_warps}"
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -145,7 +139,7 @@ def sweep(weights, g: torch.Generator) -> dict:
         per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
         row = config_row(
             per, ("cublas_silu", lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
-            config_label,
+            hc.DownSiluConfig.label,
             lambda w, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
         )  # fmt: skip
         with no_pdl("_no_pdl"):

@@ -10,6 +10,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      kernel at every batch (`QWEN4_EXP_HCU_TORCH_OPS=down_silu`), not `down_silu` at 1-16 tokens: where
                      the fused launch pays in serving (at 32 tokens the GEMM library won in serving, session 23, where
                      the kernel sweep had the fused launch ahead: the model fuses up to 16 since)
+  host_int8_down_launch host_int8 with the fused down GEMM's launch that `--down-silu` names (a label of
+                     `bench_hyper_connection.py --sweep`, `QWEN4_EXP_HCU_DOWN_SILU`) at every batch it fuses: a sweep's
+                     best served before it becomes the default
   gpu_int8           our class, INT8 tables in GPU memory (`--engram-config.cpu_offload=false`)
   host_fp8           our class, upstream's FP8 table layout (e4m3 rows + one table scale) in pinned host memory
   vllm_host_bf16     vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), BF16 tables in host memory
@@ -82,6 +85,7 @@ VARIANTS = {
     "host_int8_serial": ({"QWEN4_EXP_HCU_PREFETCH": "0"}, {}, "int8"),
     "host_int8_no_pdl": ({"QWEN4_EXP_HCU_PDL": "0"}, {}, "int8"),
     "host_int8_gemm_down": ({"QWEN4_EXP_HCU_TORCH_OPS": "down_silu"}, {}, "int8"),
+    "host_int8_down_launch": ({}, {}, "int8"),  # the environment from --down-silu
     "gpu_int8": ({}, {"engram_config": {"cpu_offload": False}}, "int8"),
     "host_int8_mtp": ({}, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "int8_mtp"),
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
@@ -266,6 +270,8 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     """One variant's engine: its measurements into `out` (JSON). `args`: the command line's graph mode,
     `--profile`, `--memory-only`, `--prompts`."""
     env, engine, _ = VARIANTS[variant]
+    if variant == "host_int8_down_launch":
+        env = {"QWEN4_EXP_HCU_DOWN_SILU": args.down_silu}
     mode_env, mode_compilation, eager = GRAPH_MODES[args.graph_mode]
     os.environ.update(env, **mode_env, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     engine = dict(engine)
@@ -535,7 +541,7 @@ def describe(model: dict, graph_mode: str) -> str:
 def decode_ratios(results: dict) -> dict:
     """Ours against each reference measured on the same prompts in the same round: keys VARIANT[@SOURCE][@cold][#ROUND]
     -> {"KEY/REF_KEY": {batch: ratio}}."""
-    ours = ("host_int8", "host_int8_serial", "host_int8_gemm_down", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
+    ours = ("host_int8", "host_int8_serial", "host_int8_gemm_down", "host_int8_down_launch", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
             *(f"host_int8_files{p}" for p in (100, 50, 20, 5)), "host_int8_files20_sync")  # fmt: skip
     ratios = {}
     for key in results:
@@ -610,10 +616,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="start the variants' engines this many times, in turn "
                         "(A B A B): rounds after the first are reported as VARIANT#ROUND, and each ratio's spread over the "
                         "rounds as decode_ratio_rounds")
+    parser.add_argument("--down-silu", help="host_int8_down_launch's launch: a sweep label, e.g. rows_n1_w8_g4")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if "host_int8_down_launch" in args.variants and not args.down_silu:
+        parser.error("host_int8_down_launch serves the launch --down-silu names")
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:
@@ -639,6 +648,7 @@ def main() -> None:
         cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
         cmd += ["--graph-mode", args.graph_mode, "--batches", *map(str, args.batches)] + (["--profile"] if args.profile else [])
         cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
+        cmd += ["--down-silu", args.down_silu] if args.down_silu else []
         if args.cold:
             for f in Path(checkpoint).glob("*.safetensors"):
                 drop_page_cache(f)
@@ -656,7 +666,7 @@ def main() -> None:
         for kind, r in measured.items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
             key += f"#{round_}" if round_ > 1 else ""
-            results[key] = r
+            results[key] = {**r, "down_silu_launch": args.down_silu} if name == "host_int8_down_launch" else r
             print(key, json.dumps(r), flush=True)
         write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured
 

@@ -27,9 +27,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from qwen4_exp_hcu.kernels import torch_ops
+    from qwen4_exp_hcu.kernels.hyper_connection import configured_launch
 
     watch_engine_process()
     torch_ops()  # an unknown kernel name in QWEN4_EXP_HCU_TORCH_OPS stops here, before any engine starts
+    configured_launch()  # as an unknown launch in QWEN4_EXP_HCU_DOWN_SILU
     for architecture, model_class in sorted(our_architectures().items()):
         ModelRegistry.register_model(architecture, model_class)
         check_settings_with_config(architecture)

@@ -6,6 +6,8 @@
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time)
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
+#                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
+#                                  sweep's fastest whole-row launch at 16 tokens (kept under /tmp while the machine is warm)
 #   test                           pytest $TESTS [-k "$K"] (LIM: seconds, default 500; every case runs, no -x: one failure
 #                                  must not hide the others' figures; each case's outcome as it ends, the last TAIL lines
 #                                  (default 40); result files -> $OUT/results)
@@ -35,6 +37,7 @@ for step in "$@"; do
   t0=$(date +%s); echo "=== $step"
   case $step in
   hc) python3 benchmarks/bench_hyper_connection.py --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
+      cp "$OUT/hyper_connection/bench_hyper_connection.json" /tmp/last_hc_sweep.json
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
@@ -46,8 +49,12 @@ print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13g
                           set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
          sync ;;  # the tens of GB just written flush now, not under the first engine's timings
-  serve) python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
-           --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
+  serve) if [ "$DOWN_SILU" = best16 ]; then
+           DOWN_SILU=$(python3 -c "import json; r = json.load(open('/tmp/last_hc_sweep.json'))['down_silu_sweep']['16']
+print(min((k for k, v in r.items() if k.startswith('rows_') and isinstance(v, float)), key=r.get))") && echo "best16: $DOWN_SILU"
+         fi
+         python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
+           ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
   test) timeout "${LIM:-500}" python3 -m pytest -v -s -rfs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \

@@ -111,3 +111,11 @@ def test_ratios_and_plot_follow_the_batches_measured(tmp_path):
     assert bench_serve.decode_ratios(results) == {"host_int8/vllm_host_fp8": {1: 2.0, 16: 2.0}}
     bench_serve.plot(results, tmp_path / "serve.png", "made-up rates")
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_the_launch_variant_needs_its_launch(monkeypatch, capsys):
+    """`host_int8_down_launch` without `--down-silu` stops before any checkpoint is written."""
+    monkeypatch.setattr("sys.argv", ["bench_serve.py", "--variants", "host_int8", "host_int8_down_launch"])
+    with pytest.raises(SystemExit):
+        bench_serve.main()
+    assert "--down-silu" in capsys.readouterr().err

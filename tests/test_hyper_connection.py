@@ -11,6 +11,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from benchmarks import bench_hyper_connection as bench_hc
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -206,6 +207,29 @@ def test_down_silu_refuses_what_it_does_not_serve():
         hc.down_silu(x[:5], weight, 30, 4.0, counts[:2])
     with pytest.raises(ValueError, match="blocks of 16 columns"):
         hc.down_silu(x[:5], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
+
+
+@cpu_only
+@pytest.mark.parametrize("tokens", bench_hc.SWEEP_TOKENS)
+def test_every_sweep_label_names_its_launch(tokens):
+    """`QWEN4_EXP_HCU_DOWN_SILU` serves a sweep's launch by its label: each reads back as the same config."""
+    for config in bench_hc.sweep_configs(tokens):
+        assert hc.DownSiluConfig.parse(config.label()) == config
+
+
+@cpu_only
+def test_the_served_launch_comes_from_the_environment(monkeypatch):
+    hc.configured_launch.cache_clear()
+    monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", "rows_n1_w8_g4")
+    assert hc.configured_launch() == hc.DownSiluConfig(whole_rows=True, block_n=1, num_warps=8, row_groups=4)
+    hc.configured_launch.cache_clear()
+    monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", "rows_n1")
+    with pytest.raises(ValueError, match="QWEN4_EXP_HCU_DOWN_SILU='rows_n1'"):
+        hc.configured_launch()
+    hc.configured_launch.cache_clear()
+    monkeypatch.delenv("QWEN4_EXP_HCU_DOWN_SILU")
+    assert hc.configured_launch() == hc.DownSiluConfig()
+    hc.configured_launch.cache_clear()
 
 
 @cpu_only

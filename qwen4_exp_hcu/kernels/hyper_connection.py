@@ -20,13 +20,15 @@ tips a rounding, one bf16 step each.
 from __future__ import annotations
 
 import functools
+import os
+import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from qwen4_exp_hcu.env import pdl_enabled
+from qwen4_exp_hcu.env import DOWN_SILU_ENV, pdl_enabled
 
 
 @triton.jit
@@ -371,6 +373,31 @@ class DownSiluConfig:
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
     row_groups: int | None = None  # whole rows: groups of WHOLE_ROWS_PER_PROGRAM rows a program takes in turn, its
     # weights loaded once (None: one; the sweep's, above 4 tokens)
+
+    def label(self) -> str:
+        """The sweep's name for the launch (`benchmarks/bench_hyper_connection.py`), which `parse` reads back."""
+        if self.whole_rows:
+            return f"rows_n{self.block_n}_w{self.num_warps}" + (f"_g{self.row_groups}" if self.row_groups else "")
+        return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
+
+    @classmethod
+    def parse(cls, label: str) -> DownSiluConfig:
+        if m := re.fullmatch(r"rows_n(\d+)_w(\d+)(?:_g(\d+))?", label):
+            n, w, g = (int(v) if v else None for v in m.groups())
+            return cls(whole_rows=True, block_n=n, num_warps=w, row_groups=g)
+        if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)", label):
+            s, n, k, w = map(int, m.groups())
+            return cls(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False)
+        raise ValueError(f"{DOWN_SILU_ENV}={label!r}: not a launch of the sweep's, e.g. 'rows_n1_w8_g4' or "
+                         "'split10_n16_k128_w4'")
+
+
+@functools.cache
+def configured_launch() -> DownSiluConfig:
+    """The model's `down_silu` launch at every token count it fuses: `QWEN4_EXP_HCU_DOWN_SILU` (a sweep's label),
+    to serve a config the sweep found before it becomes the default; unset, the default's."""
+    label = os.environ.get(DOWN_SILU_ENV, "").strip()
+    return DownSiluConfig.parse(label) if label else DownSiluConfig()
 
 
 def down_silu_reference(

@@ -16,6 +16,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, Replic
 from qwen4_exp_hcu.kernels import dispatch, torch_ops
 from qwen4_exp_hcu.kernels.hyper_connection import (
     DOWN_SILU_TILES,
+    configured_launch,
     down_silu,
     gate_mix,
     gate_mix_reference,
@@ -73,7 +74,8 @@ class GatedResidual(nn.Module):
         # the one GEMM's output: down (through the silu), then logits and padding, read in place by the mix
         linear, rank, scale = self.input_mix_weight_down_block_inject, self.sizes[0], float(self.hc_count)
         if self._fuse_down(normed):
-            down, rest = down_silu(normed, linear.weight[: sum(self.sizes)], rank, scale, self.down_silu_counts)
+            weight, counts = linear.weight[: sum(self.sizes)], self.down_silu_counts
+            down, rest = down_silu(normed, weight, rank, scale, counts, configured_launch())
         else:
             merged = linear(normed)
             down, rest = dispatch(scaled_silu, scaled_silu_reference, merged[:, :rank], scale), merged[:, rank:]
