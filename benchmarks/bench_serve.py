@@ -621,7 +621,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if "host_int8_down_launch" in args.variants and not args.down_silu:
+    if not args.worker and "host_int8_down_launch" in args.variants and not args.down_silu:
         parser.error("host_int8_down_launch serves the launch --down-silu names")
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
