@@ -74,20 +74,19 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
-    blocks, 4 warps (8 lost everywhere). At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns
-    a program, every weight loaded before the wait; above 4 tokens 1-4 columns, a program per 4 rows or all rows'
-    groups in turn; the K loop's split 1 with 1-2 columns, its stand-in until session 19, lost to 10 splits by 14-40 %
-    in session 18)."""
+    blocks, 4 warps (8 lost everywhere), and 10 splits of one K block of 1 024 (every weight a program reads loaded
+    before the wait, as the whole-row kernel's; the others load their first block only). At every size also
+    `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait; above
+    4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program holding
+    its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its stand-in
+    until session 19, lost to 10 splits by 14-40 % in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
-    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # a program per group of rows, or every group in turn (its weights held);
-        # (columns, warps) that ptxas compiles without spills at sm_90a, or nearly (4 columns, 8 warps)
-        groups = (1, -(-tokens // hc.WHOLE_ROWS_PER_PROGRAM))
-        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w, row_groups=g)
-                 for (n, w), g in itertools.product(((1, 4), (1, 8), (2, 8), (4, 8)), groups)]  # fmt: skip
+    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # session 25's two best there (ptxas at sm_90a: no spills, a few at 4 columns)
+        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
-    grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
+    grid = [*itertools.product((8, 10, 16, 20, 40), (128, 256, 512)), (10, 1024)]
     dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, whole_rows=False) for s, k in grid]
     return dots + whole
 

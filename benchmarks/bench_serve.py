@@ -616,7 +616,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="start the variants' engines this many times, in turn "
                         "(A B A B): rounds after the first are reported as VARIANT#ROUND, and each ratio's spread over the "
                         "rounds as decode_ratio_rounds")
-    parser.add_argument("--down-silu", help="host_int8_down_launch's launch: a sweep label, e.g. rows_n1_w8_g4")
+    parser.add_argument("--down-silu", help="host_int8_down_launch's launch: a sweep label, e.g. rows_n1_w4")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

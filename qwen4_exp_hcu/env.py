@@ -17,7 +17,7 @@ TORCH_OPS_ENV = "QWEN4_EXP_HCU_TORCH_OPS"
 """Kernel names (`kernels.SWAPPABLE`, comma-separated, or `all`) that run as their torch references on an
 accelerator too: to isolate a kernel on a new platform, or to find which one moves a result."""
 DOWN_SILU_ENV = "QWEN4_EXP_HCU_DOWN_SILU"
-"""A launch of `benchmarks/bench_hyper_connection.py --sweep` by its label (e.g. `rows_n1_w8_g4`) for the
+"""A launch of `benchmarks/bench_hyper_connection.py --sweep` by its label (e.g. `rows_n1_w4`) for the
 hyper-connections' fused down GEMM at every decode size: serves a sweep's config before it is the default."""
 
 TEXT_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"

@@ -198,17 +198,16 @@ def _down_silu_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _down_silu_rows_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, T, K, N, x_stride, w_stride, rank, scale,
-    ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_ROWS: tl.constexpr, K_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_ROWS: tl.constexpr, K_BLOCK: tl.constexpr,
     TAIL: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
-    """Program per `BLOCK_N` columns and GROUPS groups of ROWS token rows holding their whole weight rows in
-    registers, K as HEAD_ROWS blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 +
-    2 048), all loaded before the wait for the previous kernel, so a launch's weight reads overlap it entirely; then
-    multiply-adds with its rows (x from L2), a group at a time. More groups: programs along the grid's second axis, each reading the weights
-    again (from L2 after the first). Every x load of a group is issued before any sum, and the blocks are added within
-    each thread before one reduction across threads for all rows: summed a block (or a row) at a time, each next x
-    load waited for the previous reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's
-    CuTe FMA kernel's scheme."""
+    """Program per `BLOCK_N` columns and ROWS token rows, holding its whole weight rows in registers, K as HEAD_ROWS
+    blocks of K_BLOCK and, with TAIL, one masked block after them (10 240 = 4 x 2 048 + 2 048), all loaded before the
+    wait for the previous kernel, so a launch's weight reads overlap it entirely; then multiply-adds with its rows (x
+    from L2). More rows: programs along the grid's second axis, each reading the weights again (from L2 after the
+    first). Every x load is issued before any sum, and the blocks are added within each thread before one reduction
+    across threads for all rows: summed a block (or a row) at a time, each next x load waited for the previous
+    reduction and its barrier, an L2 round trip each. No K splits, no partials: vLLM's CuTe FMA kernel's scheme."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # 4-D throughout, [rows, columns, K blocks, K_BLOCK], so that no loaded tensor changes layout (through shared memory)
     ks = tl.arange(0, K_BLOCK)[None, None, None, :]
@@ -221,17 +220,16 @@ def _down_silu_rows_kernel(
         w_tail = tl.load(w_rows + tail, mask=col_ok & (tail < K), other=0.0)  # [1, BLOCK_N, 1, K_BLOCK]
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
-    for g in tl.static_range(GROUPS):
-        rows = (tl.program_id(1) * GROUPS + g) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows[:, None, None, None] < T
-        x_rows = x_ptr + rows[:, None, None, None].to(tl.int64) * x_stride
-        x_head = tl.load(x_rows + head, mask=row_ok, other=0.0)  # [ROWS, 1, HEAD_ROWS, K_BLOCK]
-        if TAIL:
-            x_tail = tl.load(x_rows + tail, mask=row_ok & (tail < K), other=0.0)
-        part = tl.sum(x_head.to(tl.float32) * w_head.to(tl.float32), axis=2)  # [ROWS, BLOCK_N, K_BLOCK]
-        if TAIL:
-            part += tl.sum(x_tail.to(tl.float32) * w_tail.to(tl.float32), axis=2)
-        _down_silu_store(tl.sum(part, axis=2), down_ptr, rest_ptr, rows, rows < T, cols, N, rank, scale)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows[:, None, None, None] < T
+    x_rows = x_ptr + rows[:, None, None, None].to(tl.int64) * x_stride
+    x_head = tl.load(x_rows + head, mask=row_ok, other=0.0)  # [ROWS, 1, HEAD_ROWS, K_BLOCK]
+    if TAIL:
+        x_tail = tl.load(x_rows + tail, mask=row_ok & (tail < K), other=0.0)
+    part = tl.sum(x_head.to(tl.float32) * w_head.to(tl.float32), axis=2)  # [ROWS, BLOCK_N, K_BLOCK]
+    if TAIL:
+        part += tl.sum(x_tail.to(tl.float32) * w_tail.to(tl.float32), axis=2)
+    _down_silu_store(tl.sum(part, axis=2), down_ptr, rest_ptr, rows, rows < T, cols, N, rank, scale)
     if launch_pdl:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -348,7 +346,8 @@ def gate_mix(
 # one token. Whole rows at one token since session 19 (2.11x in session 24), up to 4 since session 24 (1.56x at 4)
 # (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
-WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; more rows, as many row groups (`whole_rows=True`, for the sweep)
+WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; with `whole_rows=True` any number, 4 rows a program (sweep: lost
+# to split-K above 4 tokens, 1.85x / 2.86x its time at 16 / 32 tokens in session 25, and served at b = 16 1.39x its)
 WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
 # all 4 rows' x in registers: 240 registers a thread at 4 warps, no spills (ptxas, sm_90a)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
@@ -371,24 +370,22 @@ class DownSiluConfig:
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k unused);
     # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
-    row_groups: int | None = None  # whole rows: groups of WHOLE_ROWS_PER_PROGRAM rows a program takes in turn, its
-    # weights loaded once (None: one; the sweep's, above 4 tokens)
 
     def label(self) -> str:
         """The sweep's name for the launch (`benchmarks/bench_hyper_connection.py`), which `parse` reads back."""
         if self.whole_rows:
-            return f"rows_n{self.block_n}_w{self.num_warps}" + (f"_g{self.row_groups}" if self.row_groups else "")
+            return f"rows_n{self.block_n}_w{self.num_warps}"
         return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
 
     @classmethod
     def parse(cls, label: str) -> DownSiluConfig:
-        if m := re.fullmatch(r"rows_n(\d+)_w(\d+)(?:_g(\d+))?", label):
-            n, w, g = (int(v) if v else None for v in m.groups())
-            return cls(whole_rows=True, block_n=n, num_warps=w, row_groups=g)
+        if m := re.fullmatch(r"rows_n(\d+)_w(\d+)", label):
+            n, w = map(int, m.groups())
+            return cls(whole_rows=True, block_n=n, num_warps=w)
         if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)", label):
             s, n, k, w = map(int, m.groups())
             return cls(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False)
-        raise ValueError(f"{DOWN_SILU_ENV}={label!r}: not a launch of the sweep's, e.g. 'rows_n1_w8_g4' or "
+        raise ValueError(f"{DOWN_SILU_ENV}={label!r}: not a launch of the sweep's, e.g. 'rows_n1_w4' or "
                          "'split10_n16_k128_w4'")
 
 
@@ -448,9 +445,8 @@ def _down_silu_whole_rows(x: torch.Tensor, weight: torch.Tensor, rank: int, scal
     block = tail or head  # the head as head // block blocks of the tail's width
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
     block_n, rows = config.block_n or 1, min(triton.next_power_of_2(t), WHOLE_ROWS_PER_PROGRAM)
-    groups = min(config.row_groups or 1, triton.cdiv(t, rows))
-    _down_silu_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(t, rows * groups))](
-        x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=rows, GROUPS=groups,
+    _down_silu_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(t, rows))](
+        x, weight, down, rest, t, k, n, x.stride(0), weight.stride(0), rank, scale, ROWS=rows,
         BLOCK_N=block_n, HEAD_ROWS=head // block, K_BLOCK=block, TAIL=tail > 0,
         num_warps=config.num_warps or (2 if t == 1 else 4),
         launch_pdl=launch_pdl(x),
