@@ -75,7 +75,8 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
     blocks, 4 warps (8 lost everywhere), and 10 splits of one K block of 1 024 (every weight a program reads loaded
-    before the wait, as the whole-row kernel's; the others load their first block only). At every size also
+    before the wait, as the whole-row kernel's; the others load their first block only); the best K loops with 2, 4
+    or 6 blocks in flight (vLLM's CuTe kernel keeps 5 of 256 in flight at 5-16 tokens). At every size also
     `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait; above
     4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program holding
     its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its stand-in
@@ -86,8 +87,9 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
-    grid = [*itertools.product((8, 10, 16, 20, 40), (128, 256, 512)), (10, 1024)]
-    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, whole_rows=False) for s, k in grid]
+    grid = [(s, k, None) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))] + [(10, 1024, None)]
+    grid += [(s, k, n) for (s, k), n in itertools.product(((10, 128), (10, 256), (16, 128)), (2, 4, 6))]
+    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, num_stages=n, whole_rows=False) for s, k, n in grid]
     return dots + whole
 
 
