@@ -347,7 +347,7 @@ def gate_mix(
 # (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
 WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; with `whole_rows=True` any number, 4 rows a program (sweep: lost
-# to split-K above 4 tokens, 1.85x / 2.86x its time at 16 / 32 tokens in session 25, and served at b = 16 1.39x its)
+# to split-K above 4 tokens, 1.85x / 2.86x its time at 16 / 32 tokens in session 25; served at b = 16, 1.39x)
 WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
 # all 4 rows' x in registers: 240 registers a thread at 4 warps, no spills (ptxas, sm_90a)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
@@ -396,7 +396,11 @@ def configured_launch() -> DownSiluConfig:
     """The model's `down_silu` launch at every token count it fuses: `QWEN4_EXP_HCU_DOWN_SILU` (a sweep's label),
     to serve a config the sweep found before it becomes the default; unset, the default's."""
     label = os.environ.get(DOWN_SILU_ENV, "").strip()
-    return DownSiluConfig.parse(label) if label else DownSiluConfig()
+    config = DownSiluConfig.parse(label) if label else DownSiluConfig()
+    if config.whole_rows is False and config.block_n < 16:  # a one-token launch: above one token `tl.dot` refuses it
+        raise ValueError(f"{DOWN_SILU_ENV}={label!r}: split-K over {config.block_n} columns serves one token only, "
+                         "and the model fuses every decode size (16 columns or more)")
+    return config
 
 
 def down_silu_reference(
