@@ -49,7 +49,11 @@ print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13g
                           set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
          sync ;;  # the tens of GB just written flush now, not under the first engine's timings
-  serve) if [ "$DOWN_SILU" = best16 ]; then
+  serve) if [[ " $VARS" == *" vllm_"* ]] && [ ! -f /tmp/dsl-stash/name ]; then  # before minutes of engine start
+           echo "vLLM's class needs the CuTe DSL, not stashed on this machine (a fresh one?): the stash calls first" >&2
+           exit 3
+         fi
+         if [ "$DOWN_SILU" = best16 ]; then
            DOWN_SILU=$(python3 -c "import json; r = json.load(open('/tmp/last_hc_sweep.json'))['down_silu_sweep']['16']
 print(min((k for k, v in r.items() if k.startswith(('rows_', 'split')) and isinstance(v, float)), key=r.get))") && echo "best16: $DOWN_SILU"
          fi
