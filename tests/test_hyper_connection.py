@@ -223,7 +223,6 @@ def test_the_served_launch_comes_from_the_environment(monkeypatch):
     hc.configured_launch.cache_clear()
     monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", "rows_n1_w8")
     assert hc.configured_launch() == hc.DownSiluConfig(whole_rows=True, block_n=1, num_warps=8)
-    hc.configured_launch.cache_clear()
     for label in ("rows_n1", "split10_n4_k1024_w2"):  # not a label; a one-token launch, which tl.dot refuses above
         hc.configured_launch.cache_clear()
         monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", label)
