@@ -18,7 +18,8 @@ hyper-connections with weights of their own (16 by default: 220 MB, beyond the H
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
 NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
-(`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Reported: µs per
+(`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Then the default, the 4 fastest launches,
+CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees). Reported: µs per
 hyper-connection, the ratios torch / kernels, unpadded / padded and cuBLAS + silu / fused, every variant's outputs'
 largest difference from torch's, and the sweep's µs per config with its best. Writes JSON + PNG into `--out`.
 """
@@ -56,12 +57,14 @@ def no_pdl(name: str):
     return mock.patch.dict(os.environ, {PDL_ENV: "0"}) if name.endswith("_no_pdl") else contextlib.nullcontext()
 
 
-def block(variant: str, streams, pending, norm_w, down_w, up_w, counts):
-    """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights)."""
+def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=None):
+    """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights).
+    `down(normed, weight)`: the fused variants' down GEMM + silu (default: `down_silu`'s default launch)."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
-        silu, rest = hc.down_silu(normed, down_w[: RANK + HC], RANK, float(HC), counts)  # as the model: no padding
+        down = down or (lambda x, w: hc.down_silu(x, w, RANK, float(HC), counts))
+        silu, rest = down(normed, down_w[: RANK + HC])  # as the model: no padding
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
@@ -74,23 +77,21 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
-    blocks, 4 warps (8 lost everywhere), and 10 splits of one K block of 1 024 (every weight a program reads loaded
-    before the wait, as the whole-row kernel's; the others load their first block only); the best K loops with 2, 4
-    or 6 blocks in flight (vLLM's CuTe kernel keeps 5 of 256 in flight at 5-16 tokens). At every size also
-    `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait; above
-    4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program holding
-    its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its stand-in
-    until session 19, lost to 10 splits by 14-40 % in session 18)."""
+    blocks, 4 warps (8 lost everywhere). Session 26 measured and dropped two more there: 2 / 4 / 6 K blocks in flight
+    (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 2 % of Triton's default at best and served no
+    faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
+    before the wait) took 2.5x. At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a
+    program, every weight loaded before the wait; above 4 tokens a program per 4 rows, which lost to split-K by 1.85x
+    at 16 tokens in session 25, and a program holding its weights over every 4 rows in turn by 2.5x, no longer built;
+    the K loop's split 1 with 1-2 columns, its stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # session 25's two best there (ptxas at sm_90a: no spills, a few at 4 columns)
         whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
-    grid = [(s, k, None) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))] + [(10, 1024, None)]
-    grid += [(s, k, n) for (s, k), n in itertools.product(((10, 128), (10, 256), (16, 128)), (2, 4, 6))]
-    dots = [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, num_stages=n, whole_rows=False) for s, k, n in grid]
-    return dots + whole
+    grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
+    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, whole_rows=False) for s, k in grid] + whole
 
 
 def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -155,6 +156,43 @@ def sweep(weights, g: torch.Generator) -> dict:
         out[t] = row
         print("sweep", t, row["best"], f"{row[row['best']]:.2f} us", f"vs cuBLAS + silu {row['best_vs_cublas_silu']:.2f}x "
               f"(default {row['default_vs_cublas_silu']:.2f}x, without PDL {row['default_no_pdl_vs_cublas_silu']:.2f}x)", flush=True)  # fmt: skip
+    return out
+
+
+def block_candidates(alone: dict, n: int = 4) -> dict[str, hc.DownSiluConfig]:
+    """The default launch and the `n` fastest of a token count's alone sweep, by label."""
+    timed = sorted((v, k) for k, v in alone.items() if k.startswith(("rows_", "split")) and isinstance(v, float))
+    return {"default": hc.DownSiluConfig()} | {k: hc.DownSiluConfig.parse(k) for _, k in timed[:n]}
+
+
+def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
+    """µs per hyper-connection with each of `block_candidates`' launches, vLLM's CuTe kernel and cuBLAS + the silu
+    in its place, the whole block around it as a decode step runs it (the norm before, the up GEMM and `gate_mix`
+    after): the alone sweep replays one kernel back to back, each launch overlapping its own predecessor through
+    dependent launch, and predicted serving poorly (at b = 16 our split-K served at 1.32-1.40x its alone time,
+    CuTe's at 1.12-1.15x, sessions 25-26). Also the default without dependent launch, as CuTe runs above one row."""
+    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device="cuda")
+    out = {}
+    for t in SWEEP_TOKENS:
+        streams = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        pending = (torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16),
+                   torch.rand(t, HC, device="cuda", generator=g).to(torch.bfloat16) * 2)  # fmt: skip
+
+        def per(variant, down=None):
+            run = lambda: [block(variant, streams, pending, *w, counts, down) for w in weights]  # noqa: E731
+            return do_bench_cudagraph(run, rep=50) * 1e3 / len(weights)
+
+        row = {"cublas_silu": per("kernels")}
+        for label, c in block_candidates(alone[t]).items():
+            row[label] = per("kernels_down_silu", lambda x, w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
+        with no_pdl("_no_pdl"):
+            row["default_no_pdl"] = per("kernels_down_silu_no_pdl")
+        if cute is not None:
+            row["vllm_cute"] = per("kernels_down_silu", lambda x, w: cute(x, w, RANK, HC))
+            row["default_vs_vllm_cute"] = row["vllm_cute"] / row["default"]
+        row["best"] = min((k for k in row if k.startswith(("rows_", "split"))), key=row.get)
+        out[t] = row
+        print("in block", t, {k: v if isinstance(v, str) else round(v, 2) for k, v in row.items()}, flush=True)
     return out
 
 
@@ -225,6 +263,7 @@ def main() -> None:
     (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))  # before the sweep: a cut-off run keeps it
     if args.sweep:
         report["down_silu_sweep"] = sweep(weights, g)
+        report["down_silu_in_block"] = block_sweep(weights, g, report["down_silu_sweep"], vllm_down_silu())
         report["gate_mix_sweep"] = gate_mix_sweep(g)
         (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "bench_hyper_connection.png")

@@ -7,7 +7,8 @@
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
-#                                  sweep's fastest launch at 16 tokens (kept under /tmp while the machine is warm)
+#                                  sweep's fastest launch at 16 tokens inside the block (kept under /tmp while the
+#                                  machine is warm)
 #   test                           pytest $TESTS [-k "$K"] (LIM: seconds, default 500; every case runs, no -x: one failure
 #                                  must not hide the others' figures; each case's outcome as it ends, the last TAIL lines
 #                                  (default 40); result files -> $OUT/results)
@@ -54,8 +55,8 @@ PY
            exit 3
          fi
          if [ "$DOWN_SILU" = best16 ]; then
-           DOWN_SILU=$(python3 -c "import json; r = json.load(open('/tmp/last_hc_sweep.json'))['down_silu_sweep']['16']
-print(min((k for k, v in r.items() if k.startswith(('rows_', 'split')) and isinstance(v, float)), key=r.get))") && echo "best16: $DOWN_SILU"
+           DOWN_SILU=$(python3 -c "import json; print(json.load(open('/tmp/last_hc_sweep.json'))['down_silu_in_block']['16']['best'])") \
+             && echo "best16: $DOWN_SILU"
          fi
          python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30

@@ -367,8 +367,7 @@ class DownSiluConfig:
     block_k: int | None = None
     num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
     # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
-    num_stages: int | None = None  # split-K's loads in flight over its K loop (None: Triton's default)
-    whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k, num_stages unused);
+    whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k unused);
     # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
 
@@ -376,17 +375,16 @@ class DownSiluConfig:
         """The sweep's name for the launch (`benchmarks/bench_hyper_connection.py`), which `parse` reads back."""
         if self.whole_rows:
             return f"rows_n{self.block_n}_w{self.num_warps}"
-        stages = f"_s{self.num_stages}" if self.num_stages else ""
-        return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}{stages}"
+        return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
 
     @classmethod
     def parse(cls, label: str) -> DownSiluConfig:
         if m := re.fullmatch(r"rows_n(\d+)_w(\d+)", label):
             n, w = map(int, m.groups())
             return cls(whole_rows=True, block_n=n, num_warps=w)
-        if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)(?:_s(\d+))?", label):
-            s, n, k, w, stages = (int(v) if v else None for v in m.groups())
-            return cls(split=s, block_n=n, block_k=k, num_warps=w, num_stages=stages, whole_rows=False)
+        if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)", label):
+            s, n, k, w = map(int, m.groups())
+            return cls(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False)
         raise ValueError(f"{DOWN_SILU_ENV}={label!r}: not a launch of the sweep's, e.g. 'rows_n1_w4' or "
                          "'split10_n16_k128_w4'")
 
@@ -440,7 +438,6 @@ def down_silu(
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), part_stride, rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
         num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
-        **({"num_stages": config.num_stages} if config.num_stages else {}),
     )  # fmt: skip
     return down, rest
 
