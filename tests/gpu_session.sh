@@ -31,7 +31,7 @@ source .gpu-vllm/setup.sh
 if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -d ~/.triton/cache ]; then
   mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
-[ -f /tmp/dsl-stash/name ] && source tests/gpu_cute_dsl.sh install
+[ -d /tmp/dsl-stash ] && source tests/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
 B="--geometry release --table-gb 13 --layers 48 --indexer-budget 2048"
 W=/tmp/bench_serve/release-13gb-48layers-budget2048
 for step in "$@"; do
@@ -50,7 +50,7 @@ print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13g
                           set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
          sync ;;  # the tens of GB just written flush now, not under the first engine's timings
-  serve) if [[ " $VARS" == *" vllm_"* ]] && [ ! -f /tmp/dsl-stash/name ]; then  # before minutes of engine start
+  serve) if [[ " $VARS" == *" vllm_"* ]] && [ -z "$DSL_READY" ]; then  # before minutes of engine start
            echo "vLLM's class needs the CuTe DSL, not stashed on this machine (a fresh one?): the stash calls first" >&2
            exit 3
          fi
