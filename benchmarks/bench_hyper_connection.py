@@ -14,7 +14,8 @@ one Triton launch, over the 324 rows that are not padding; `kernels_down_silu_no
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
 hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's
 97 hyper-connections read theirs from HBM; 1: one weight set replayed from L2, how this benchmark ran until
-2026-12-02), reported per hyper-connection.
+2026-12-02) and tile counters of their own (as the model's modules: cold in L2 at each launch; shared until session
+26), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
 NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
@@ -59,12 +60,12 @@ def no_pdl(name: str):
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=None):
     """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights).
-    `down(normed, weight)`: the fused variants' down GEMM + silu (default: `down_silu`'s default launch)."""
+    `down(normed, weight, counts)`: the fused variants' down GEMM + silu (default: `down_silu`'s default launch)."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
-        down = down or (lambda x, w: hc.down_silu(x, w, RANK, float(HC), counts))
-        silu, rest = down(normed, down_w[: RANK + HC])  # as the model: no padding
+        down = down or (lambda x, w, counts: hc.down_silu(x, w, RANK, float(HC), counts))
+        silu, rest = down(normed, down_w[: RANK + HC], counts)  # as the model: no padding
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
@@ -80,42 +81,48 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     blocks, 4 warps (8 lost everywhere). Session 26 measured and dropped two more there: 2 / 4 / 6 K blocks in flight
     (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 2 % of Triton's default at best and served no
     faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
-    before the wait) took 2.5x. At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a
-    program, every weight loaded before the wait; above 4 tokens a program per 4 rows, which lost to split-K by 1.85x
-    at 16 tokens in session 25, and a program holding its weights over every 4 rows in turn by 2.5x, no longer built;
-    the K loop's split 1 with 1-2 columns, its stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
+    before the wait) took 2.5x. The best four also with `warm_counter` (split-K served at 1.31-1.40x its time here,
+    whole rows, which have no counters, at 1.01-1.04x: each module's counters are cold at its launch). At every size
+    also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait;
+    above 4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program
+    holding its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its
+    stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
     if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # session 25's two best there (ptxas at sm_90a: no spills, a few at 4 columns)
         whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
-    grid = itertools.product((8, 10, 16, 20, 40), (128, 256, 512))
-    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, whole_rows=False) for s, k in grid] + whole
+    grid = [(s, k, False) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))]
+    grid += [(s, k, True) for s, k in ((8, 256), (10, 128), (10, 256), (16, 128))]  # the best four, counters touched early
+    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, warm_counter=wc, whole_rows=False)
+            for s, k, wc in grid] + whole  # fmt: skip
 
 
-def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`n` sets of (norm, merged down + injection, up) weights, each hyper-connection's own."""
+def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`n` sets of (norm, merged down + injection, up) weights and `down_silu`'s tile counters, each
+    hyper-connection's own."""
     dev, dt = "cuda", torch.bfloat16
     return [(torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1,
              (torch.randn(RANK + HC + PAD, HC * HIDDEN, device=dev, generator=g) / 100).to(dt),
-             (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt)) for _ in range(n)]  # fmt: skip
+             (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt),
+             torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)) for _ in range(n)]  # fmt: skip
 
 
 def config_row(per, baseline: tuple, configs: list, label, launch) -> dict:
-    """µs of `baseline` (name, launch over a weight) and of `launch(weight, config)` per config, timed by `per`; a
-    config Triton cannot compile here (registers, shared memory) is reported under `failed`, not fatal to the
-    sweep. Then the best, its ratio to the baseline, and the default launch's (`launch(weight, None)`)."""
+    """µs of `baseline` (name, launch over a weight and its counters) and of `launch(weight, counters, config)` per
+    config, timed by `per`; a config Triton cannot compile here (registers, shared memory) is reported under
+    `failed`, not fatal to the sweep. Then the best, its ratio to the baseline, and the default launch's (`None`)."""
     name, base = baseline
     row = {name: per(base)}
     for c in configs:
         try:
-            row[label(c)] = per(lambda w, c=c: launch(w, c))
+            row[label(c)] = per(lambda w, counts, c=c: launch(w, counts, c))
         except Exception as e:
             row.setdefault("failed", {})[label(c)] = f"{type(e).__name__}: {str(e)[:200]}"
     best = min((k for k, v in row.items() if k != name and isinstance(v, float)), key=row.get)
     row["best"], row[f"best_vs_{name}"] = best, row[name] / row[best]
-    row[f"default_vs_{name}"] = row[name] / per(lambda w: launch(w, None))
+    row[f"default_vs_{name}"] = row[name] / per(lambda w, counts: launch(w, counts, None))
     return row
 
 
@@ -133,24 +140,23 @@ def vllm_down_silu():
 def sweep(weights, g: torch.Generator) -> dict:
     """µs per `down_silu` (the GEMM and the silu alone) per launch config, and cuBLAS + the silu kernel, per token
     count, each run going through every weight set; and vLLM's class's kernel where it is installed."""
-    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device="cuda")
     cute = vllm_down_silu()
     out = {}
     for t in SWEEP_TOKENS:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
-        per = lambda f: do_bench_cudagraph(lambda: [f(w) for _, w, _ in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
+        per = lambda f: do_bench_cudagraph(lambda: [f(w, counts) for _, w, _, counts in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
         row = config_row(
-            per, ("cublas_silu", lambda w: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
+            per, ("cublas_silu", lambda w, _: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
             hc.DownSiluConfig.label,
-            lambda w, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
+            lambda w, counts, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
         )  # fmt: skip
         with no_pdl("_no_pdl"):
-            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
+            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w, counts: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
         if cute is not None:  # compiled (JIT) outside the timed graphs, checked against the reference
             w = weights[0][1]
             silu = cute(x, w, RANK, HC)[0]
             row["vllm_cute_max_abs_diff"] = (silu.float() - hc.down_silu_reference(x, w, RANK, float(HC))[0].float()).abs().max().item()
-            row["vllm_cute"] = per(lambda w: cute(x, w, RANK, HC))
+            row["vllm_cute"] = per(lambda w, _: cute(x, w, RANK, HC))
             row["default_vs_vllm_cute"] = row["vllm_cute"] * row["default_vs_cublas_silu"] / row["cublas_silu"]
             print("sweep", t, f"vLLM's CuTe kernel {row['vllm_cute']:.2f} us: the default runs at {row['default_vs_vllm_cute']:.2f}x its speed", flush=True)
         out[t] = row
@@ -171,7 +177,6 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
     after): the alone sweep replays one kernel back to back, each launch overlapping its own predecessor through
     dependent launch, and predicted serving poorly (at b = 16 our split-K served at 1.32-1.40x its alone time,
     CuTe's at 1.12-1.15x, sessions 25-26). Also the default without dependent launch, as CuTe runs above one row."""
-    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device="cuda")
     out = {}
     for t in SWEEP_TOKENS:
         streams = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -179,16 +184,16 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
                    torch.rand(t, HC, device="cuda", generator=g).to(torch.bfloat16) * 2)  # fmt: skip
 
         def per(variant, down=None):
-            run = lambda: [block(variant, streams, pending, *w, counts, down) for w in weights]  # noqa: E731
+            run = lambda: [block(variant, streams, pending, *w, down) for w in weights]  # noqa: E731
             return do_bench_cudagraph(run, rep=50) * 1e3 / len(weights)
 
         row = {"cublas_silu": per("kernels")}
         for label, c in block_candidates(alone[t]).items():
-            row[label] = per("kernels_down_silu", lambda x, w, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
+            row[label] = per("kernels_down_silu", lambda x, w, counts, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
         with no_pdl("_no_pdl"):
             row["default_no_pdl"] = per("kernels_down_silu_no_pdl")
         if cute is not None:
-            row["vllm_cute"] = per("kernels_down_silu", lambda x, w: cute(x, w, RANK, HC))
+            row["vllm_cute"] = per("kernels_down_silu", lambda x, w, _: cute(x, w, RANK, HC))
             row["default_vs_vllm_cute"] = row["vllm_cute"] / row["default"]
         row["best"] = min((k for k in row if k.startswith(("rows_", "split"))), key=row.get)
         out[t] = row
@@ -224,14 +229,13 @@ def main() -> None:
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     weights = weight_sets(args.weights, g)
-    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)  # the fused variant's tile counters
     results = {}
     for t in args.tokens:
         streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
         for name in (n for n in OPS if n not in DECODE_ONLY or t <= hc.DOWN_SILU_MAX_TOKENS):
-            run = lambda: [block(name, streams, pending, *w, counts) for w in weights]  # noqa: E731
+            run = lambda: [block(name, streams, pending, *w) for w in weights]  # noqa: E731
             with no_pdl(name):
                 outputs[name] = run()[0]
                 row[name] = {"graph_us": do_bench_cudagraph(run, rep=200) * 1e3 / len(weights)}

@@ -176,6 +176,8 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     for tokens, kernel in ((1, "_down_silu_rows_kernel"), (32, "_down_silu_kernel")):  # whole rows, and split-K dots
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
+    warm = hyper_connection.DownSiluConfig(warm_counter=True)  # 32 tokens, the counter touched early (a sweep launch)
+    calls["down-silu-warm"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, warm)
     whole_rows = hyper_connection.DownSiluConfig(whole_rows=True)  # the most rows a program holds (MTP's 4 tokens)
     normed = torch.zeros(hyper_connection.WHOLE_ROWS_PER_PROGRAM, hc * h, dtype=torch.bfloat16)
     calls["down-silu-rows"] = ("_down_silu_rows_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, whole_rows)
@@ -243,7 +245,7 @@ def _compile_in_worker(variant: str, target: str, specialize: bool) -> dict:
             "griddepcontrol": sorted({w for w in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
                                       if w in compiled.asm.get("ptx", "")}),
             "cg_loads": sorted(set(re.findall(r"ld\.global\.cg[\w.]*", compiled.asm.get("ptx", "")))),
-            "order": re.findall(r"griddepcontrol\.wait|ld\.global|bar\.sync", compiled.asm.get("ptx", ""))}  # fmt: skip
+            "order": re.findall(r"griddepcontrol\.wait|ld\.global|bar\.sync|atom\.global|(?<![\w.])red\.global", compiled.asm.get("ptx", ""))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +313,19 @@ def test_whole_row_down_silu_reads_x_in_one_round_trip(compile_aot):
     assert "error" not in result, result.get("error")
     after_wait = result["order"][result["order"].index("griddepcontrol.wait") + 1 :]
     assert after_wait.count("bar.sync") == 1 and "ld.global" not in after_wait[after_wait.index("bar.sync") :], after_wait
+
+
+def test_split_k_down_silu_can_touch_its_counter_before_the_wait(compile_aot):
+    """`warm_counter`: the tile counter's add of 0 is issued with the first weights, before the wait for the previous
+    kernel, as a reduction (`red`: nothing waits for a result), and the default's only atomics come after the wait
+    (the count and the reset, `atom`: their results are read)."""
+    for variant, before in (("hc-down-silu-warm-pdl", ["red.global"]), ("hc-down-silu-32-pdl", [])):
+        result = compile_aot(variant, "sm90", True)
+        assert "error" not in result, result.get("error")
+        order = result["order"]
+        wait = order.index("griddepcontrol.wait")
+        assert [op for op in order[:wait] if op in ("atom.global", "red.global")] == before, order
+        assert [op for op in order[wait:] if op in ("atom.global", "red.global")] == ["atom.global"] * 2, order
 
 
 def test_a_kernel_a_target_cannot_compile_fails(compile_aot):

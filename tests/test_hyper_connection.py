@@ -131,12 +131,14 @@ def test_down_silu_matches_reference(device, dtype, tokens):
     + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024, whole_rows=False), id="1-a_column_per_program")]
     + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
     + [pytest.param(t, hc.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4), (17, 2))]
-    + [pytest.param(17, hc.DownSiluConfig(split=10, block_n=16, block_k=1024, whole_rows=False), id="17-one_k_block_a_split")],
+    + [pytest.param(17, hc.DownSiluConfig(split=10, block_n=16, block_k=1024, whole_rows=False), id="17-one_k_block_a_split")]
+    + [pytest.param(17, hc.DownSiluConfig(split=3, block_k=64, warm_counter=True, whole_rows=False), id="17-counters_touched_early")],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
     zero partials), fewer splits with wider tiles, one K block a split wider than all of K (`tl.dot` over 1 024:
-    the first split masked past K = 600, nine with nothing to add), (one token: no `tl.dot`) narrow blocks reading
+    the first split masked past K = 600, nine with nothing to add), the counters touched early (an add of 0: the count
+    and its reset unchanged), (one token: no `tl.dot`) narrow blocks reading
     whole rows, and whole rows for more rows than a program holds (17 tokens: 5 programs a column, the last with one
     row)."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)

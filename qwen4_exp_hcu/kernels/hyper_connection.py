@@ -150,7 +150,7 @@ def _gemm_block(acc, x_ptr, w, rows, row_ok, k, K, x_stride, DOT: tl.constexpr, 
 def _down_silu_kernel(
     x_ptr, w_ptr, down_ptr, rest_ptr, part_ptr, count_ptr, T, K, N, x_stride, w_stride, part_stride, rank, scale,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr, launch_pdl: tl.constexpr,
+    UPCAST: tl.constexpr, WARM_COUNTER: tl.constexpr, launch_pdl: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, row block, K split): its fp32 partial sum into `part`; the last split to finish a
     tile (a counter per tile) adds the SPLIT partials in split order (deterministic, unlike atomic adds), rounds
@@ -161,8 +161,11 @@ def _down_silu_kernel(
     first K block's weights load before the wait for the previous kernel (`launch_pdl`): they are parameters, not
     its output, so with 10 splits of one K block at one token, all of a launch's weight reads overlap the kernel
     before it. The model's default above WHOLE_ROWS_MAX_TOKENS rows; up to there `_down_silu_rows_kernel` is (this one
-    there only with `whole_rows=False`, for the sweep)."""
+    there only with `whole_rows=False`, for the sweep). WARM_COUNTER: an atomic add of 0 to the tile's counter beside
+    those loads, so that the counter's line is in L2 by the time the split's partial is stored (in a decode step
+    each hyper-connection's counters were last touched a step ago)."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile = pid_m * tl.num_programs(0) + pid_n
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -171,6 +174,8 @@ def _down_silu_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = split * span  # a split past K (K / SPLIT not a whole block) loads nothing
     w = _gemm_weights(w_ptr, cols, col_ok, first + ks, K, w_stride)
+    if WARM_COUNTER and SPLIT > 1:
+        tl.atomic_add(count_ptr + tile, 0, sem="relaxed")
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
     acc = _gemm_block(acc, x_ptr, w, rows, row_ok, first + ks, K, x_stride, DOT, UPCAST)
@@ -182,7 +187,6 @@ def _down_silu_kernel(
     if SPLIT == 1:  # the whole K in this program: no partials, no counter
         _down_silu_store(acc, down_ptr, rest_ptr, rows, row_ok, cols, N, rank, scale)
     else:
-        tile = pid_m * tl.num_programs(0) + pid_n
         mask = row_ok[:, None] & (cols < part_stride)[None, :]  # columns past N hold zeros (masked weights)
         at = rows[:, None] * part_stride + cols[None, :]
         tl.store(part_ptr + split * T * part_stride + at, acc, mask=mask)
@@ -367,7 +371,8 @@ class DownSiluConfig:
     block_k: int | None = None
     num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
     # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
-    whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k unused);
+    warm_counter: bool = False  # split-K touches its tile's counter before the wait (`_down_silu_kernel`)
+    whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k, warm_counter unused);
     # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
 
@@ -375,16 +380,16 @@ class DownSiluConfig:
         """The sweep's name for the launch (`benchmarks/bench_hyper_connection.py`), which `parse` reads back."""
         if self.whole_rows:
             return f"rows_n{self.block_n}_w{self.num_warps}"
-        return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
+        return f"split{self.split}_n{self.block_n}_k{self.block_k}_w{self.num_warps}" + ("_wc" if self.warm_counter else "")
 
     @classmethod
     def parse(cls, label: str) -> DownSiluConfig:
         if m := re.fullmatch(r"rows_n(\d+)_w(\d+)", label):
             n, w = map(int, m.groups())
             return cls(whole_rows=True, block_n=n, num_warps=w)
-        if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)", label):
-            s, n, k, w = map(int, m.groups())
-            return cls(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False)
+        if m := re.fullmatch(r"split(\d+)_n(\d+)_k(\d+)_w(\d+)(_wc)?", label):
+            s, n, k, w = map(int, m.groups()[:4])
+            return cls(split=s, block_n=n, block_k=k, num_warps=w, warm_counter=bool(m[5]), whole_rows=False)
         raise ValueError(f"{DOWN_SILU_ENV}={label!r}: not a launch of the sweep's, e.g. 'rows_n1_w4' or "
                          "'split10_n16_k128_w4'")
 
@@ -437,7 +442,7 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), part_stride, rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
+        WARM_COUNTER=config.warm_counter, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
 
