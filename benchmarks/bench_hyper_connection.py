@@ -79,9 +79,9 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
     (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
     blocks, 4 warps (8 lost everywhere). Session 26 measured and dropped two more there: 2 / 4 / 6 K blocks in flight
-    (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 2 % of Triton's default at best and served no
-    faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
-    before the wait) took 2.5x. The best four also with `warm_counter` (split-K served at 1.31-1.40x its time here,
+    (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 0.3 % of the best launch without them and served
+    no faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
+    before the wait) took 2.2-2.7x. The best four also with `warm_counter` (split-K served at 1.31-1.40x its time here,
     whole rows, which have no counters, at 1.01-1.04x: each module's counters are cold at its launch). At every size
     also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait;
     above 4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program
@@ -175,7 +175,7 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
     """µs per hyper-connection with each of `block_candidates`' launches, vLLM's CuTe kernel and cuBLAS + the silu
     in its place, the whole block around it as a decode step runs it (the norm before, the up GEMM and `gate_mix`
     after): the alone sweep replays one kernel back to back, each launch overlapping its own predecessor through
-    dependent launch, and predicted serving poorly (at b = 16 our split-K served at 1.32-1.40x its alone time,
+    dependent launch, and predicted serving poorly (at b = 16 our split-K served at 1.31-1.40x its alone time,
     CuTe's at 1.12-1.15x, sessions 25-26). Also the default without dependent launch, as CuTe runs above one row."""
     out = {}
     for t in SWEEP_TOKENS:
