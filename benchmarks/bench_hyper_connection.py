@@ -60,12 +60,13 @@ def no_pdl(name: str):
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=None):
     """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights).
-    `down(normed, weight, counts)`: the fused variants' down GEMM + silu (default: `down_silu`'s default launch)."""
+    `down(normed, padded weight, counts)`: the fused variants' down GEMM + silu (default: `down_silu`'s default
+    launch over the rows that are not padding, as the model passes them)."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
-        down = down or (lambda x, w, counts: hc.down_silu(x, w, RANK, float(HC), counts))
-        silu, rest = down(normed, down_w[: RANK + HC], counts)  # as the model: no padding
+        down = down or (lambda x, w, counts: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
+        silu, rest = down(normed, down_w, counts)
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
     return streams, gate_mix(F.linear(scaled_silu(down, float(HC)), up_w), normed, HC, logits)
@@ -189,11 +190,11 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
 
         row = {"cublas_silu": per("kernels")}
         for label, c in block_candidates(alone[t]).items():
-            row[label] = per("kernels_down_silu", lambda x, w, counts, c=c: hc.down_silu(x, w, RANK, float(HC), counts, c))
+            row[label] = per("kernels_down_silu", lambda x, w, counts, c=c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c))
         with no_pdl("_no_pdl"):
             row["default_no_pdl"] = per("kernels_down_silu_no_pdl")
         if cute is not None:
-            row["vllm_cute"] = per("kernels_down_silu", lambda x, w, _: cute(x, w, RANK, HC))
+            row["vllm_cute"] = per("kernels_down_silu", lambda x, w, _: cute(x, w, RANK, HC))  # padded, as vLLM's class
             row["default_vs_vllm_cute"] = row["vllm_cute"] / row["default"]
         row["best"] = min((k for k in row if k.startswith(("rows_", "split"))), key=row.get)
         out[t] = row
