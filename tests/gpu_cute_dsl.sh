@@ -6,6 +6,8 @@
 #   here:                 bash tests/gpu_cute_dsl.sh fetch          (~4 min: xz on two cores)
 #   device, call 1:       carry [".dsla"]  bash tests/gpu_cute_dsl.sh stash
 #   device, call 2:       carry [".dslb"]  bash tests/gpu_cute_dsl.sh stash
+#                         (or carry [".gpu-vllm", ".dslb"], 58 MiB, and go on in the same call:
+#                          bash tests/gpu_cute_dsl.sh stash && bash tests/gpu_session.sh STEPS...)
 #   device, later calls:  source tests/gpu_cute_dsl.sh install   (installs into /tmp/dsl-site once, exports PYTHONPATH;
 #                         after `source .gpu-vllm/setup.sh`, which unpacks vLLM's Python code into /tmp/site)
 # .dsla: the CUDA 13 libs wheel's files, xz-compressed (92 MB as a wheel, 61 MB so). .dslb: the other wheels, and
