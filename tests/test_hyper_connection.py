@@ -138,9 +138,8 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
     zero partials), fewer splits with wider tiles, one K block a split wider than all of K (`tl.dot` over 1 024:
     the first split masked past K = 600, nine with nothing to add), the counters touched early (an add of 0: the count
-    and its reset unchanged), (one token: no `tl.dot`) narrow blocks reading
-    whole rows, and whole rows for more rows than a program holds (17 tokens: 5 programs a column, the last with one
-    row)."""
+    and its reset unchanged), (one token: no `tl.dot`) narrow blocks reading whole rows, and whole rows for more rows
+    than a program holds (17 tokens: 5 programs a column, the last with one row)."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
     got = hc.down_silu(x, weight, 30, 4.0, counts, config)
     _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
