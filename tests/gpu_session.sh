@@ -28,8 +28,10 @@
 # e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
 # Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
 source .gpu-vllm/setup.sh
-if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -d ~/.triton/cache ]; then
-  mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
+# Merged once per machine, also into a cache an earlier call (a sweep) has started.
+if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]; then
+  mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && touch ~/.triton/.restored \
+    && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
 [ -d /tmp/dsl-stash ] && source tests/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
 B="--geometry release --table-gb 13 --layers 48 --indexer-budget 2048"
