@@ -93,7 +93,8 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
         whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
-        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, whole_rows=False) for n, s, k, w in grid] + whole
+        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, warm_counter=False, whole_rows=False)
+                for n, s, k, w in grid] + whole  # fmt: skip
     grid = [(s, k, False) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))]
     grid += [(s, k, True) for s, k in ((8, 256), (10, 128), (10, 256), (16, 128))]  # the best four, counters touched early
     return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, warm_counter=wc, whole_rows=False)

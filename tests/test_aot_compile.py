@@ -173,11 +173,12 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
     }
     counts = torch.zeros(hyper_connection.DOWN_SILU_TILES, dtype=torch.int32)
     down_w = torch.zeros(rank + hc, hc * h, dtype=torch.bfloat16)  # the rows the model passes: not its padding
-    for tokens, kernel in ((1, "_down_silu_rows_kernel"), (32, "_down_silu_kernel")):  # whole rows, and split-K dots
+    # whole rows, and split-K dots: 16 K splits up to 16 tokens, 10 above
+    for tokens, kernel in ((1, "_down_silu_rows_kernel"), (16, "_down_silu_kernel"), (32, "_down_silu_kernel")):
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
         calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    warm = hyper_connection.DownSiluConfig(warm_counter=True)  # 32 tokens, the counter touched early (a sweep launch)
-    calls["down-silu-warm"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, warm)
+    cold = hyper_connection.DownSiluConfig(warm_counter=False)  # 32 tokens, the counter first touched after the wait
+    calls["down-silu-cold"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, cold)
     whole_rows = hyper_connection.DownSiluConfig(whole_rows=True)  # the most rows a program holds (MTP's 4 tokens)
     normed = torch.zeros(hyper_connection.WHOLE_ROWS_PER_PROGRAM, hc * h, dtype=torch.bfloat16)
     calls["down-silu-rows"] = ("_down_silu_rows_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, whole_rows)
@@ -315,11 +316,20 @@ def test_whole_row_down_silu_reads_x_in_one_round_trip(compile_aot):
     assert after_wait.count("bar.sync") == 1 and "ld.global" not in after_wait[after_wait.index("bar.sync") :], after_wait
 
 
+def test_split_k_down_silu_defaults_by_rows():
+    """Session 27's split-K launches, timed inside the whole block and served at b = 16: 16 splits of K blocks of 128
+    up to 16 tokens, 10 of 256 above, each touching its tile counter early."""
+    for tokens, split, block_k in ((16, 16, 128), (32, 10, 256)):
+        kwargs = LAUNCHES[f"hc-down-silu-{tokens}"].kwargs
+        assert (kwargs["SPLIT"], kwargs["BLOCK_K"], kwargs["WARM_COUNTER"]) == (split, block_k, True), kwargs
+    assert not LAUNCHES["hc-down-silu-cold"].kwargs["WARM_COUNTER"]
+
+
 def test_split_k_down_silu_can_touch_its_counter_before_the_wait(compile_aot):
-    """`warm_counter`: the tile counter's add of 0 is issued with the first weights, before the wait for the previous
-    kernel, as a reduction (`red`: nothing waits for a result), and the default's only atomics come after the wait
-    (the count and the reset, `atom`: their results are read)."""
-    for variant, before in (("hc-down-silu-warm-pdl", ["red.global"]), ("hc-down-silu-32-pdl", [])):
+    """`warm_counter` (the default): the tile counter's add of 0 is issued with the first weights, before the wait
+    for the previous kernel, as a reduction (`red`: nothing waits for a result); without it the only atomics come
+    after the wait (the count and the reset, `atom`: their results are read)."""
+    for variant, before in (("hc-down-silu-32-pdl", ["red.global"]), ("hc-down-silu-cold-pdl", [])):
         result = compile_aot(variant, "sm90", True)
         assert "error" not in result, result.get("error")
         order = result["order"]

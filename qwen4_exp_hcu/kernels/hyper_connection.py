@@ -350,6 +350,8 @@ def gate_mix(
 # one token. Whole rows at one token since session 19 (2.11x in session 24), up to 4 since session 24 (1.56x at 4)
 # (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
+SPLIT_16_MAX_TOKENS = 16  # session 27 at 16 rows: 16 splits of K blocks of 128, served in the release-geometry decode
+# step (b = 16, FULL_DECODE_ONLY), took 882 us a step against 940 for 10 of 256 (both touching counters early)
 WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; with `whole_rows=True` any number, 4 rows a program (sweep: lost
 # to split-K above 4 tokens, 1.85x / 2.86x its time at 16 / 32 tokens in session 25; served at b = 16, 1.39x)
 WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
@@ -360,18 +362,19 @@ DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-spl
 @dataclass(frozen=True)
 class DownSiluConfig:
     """`down_silu`'s split-K launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
-    x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time
-    (None: 256 with `tl.dot`, 1024 without), or whole weight rows. The defaults: the H200 sweep's best at the
-    release's shape, weights beyond L2 (session 13; whole rows at one row from session 19, 0.86x vLLM's CuTe kernel
-    against 0.73x, and up to 4 rows from session 24); session 14's sweep put them within 8 % of its best at every size
-    (benchmarks/results/hyper_connection)."""
+    x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time, or
+    whole weight rows. The defaults: the H200 sweep's best at the release's shape, weights beyond L2 (session 13;
+    whole rows at one row from session 19, 0.86x vLLM's CuTe kernel against 0.73x, and up to 4 rows from session 24;
+    split-K's from session 27, timed inside the whole hyper-connection block, whose ranking serving followed where
+    the launch timed alone had not) (benchmarks/results/hyper_connection)."""
 
-    split: int = 10
+    split: int | None = None  # None: 16 up to SPLIT_16_MAX_TOKENS rows with `tl.dot`, else 10
     block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
-    block_k: int | None = None
+    block_k: int | None = None  # None: with `tl.dot` 128 up to SPLIT_16_MAX_TOKENS rows, 256 above; 1024 without
     num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
     # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
-    warm_counter: bool = False  # split-K touches its tile's counter before the wait (`_down_silu_kernel`)
+    warm_counter: bool | None = None  # split-K touches its tile's counter before the wait (`_down_silu_kernel`); None:
+    # with `tl.dot` (session 27, in the whole block: 16.22 against 16.37 us at 16 rows, 17.29 against 17.65 at 32)
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k, warm_counter unused);
     # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
     # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
@@ -432,8 +435,10 @@ def down_silu(
     block_m, block_n = max(16 if dot else 1, triton.next_power_of_2(t)), config.block_n or (16 if dot else 4)
     if dot and block_n < 16:
         raise ValueError(f"down_silu: {t} rows take tl.dot, which needs blocks of 16 columns or more, got {block_n}")
-    block_k = config.block_k or (256 if dot else 1024)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split)
+    few = dot and t <= SPLIT_16_MAX_TOKENS
+    block_k = config.block_k or ((128 if few else 256) if dot else 1024)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_m), config.split or (16 if few else 10))
+    warm_counter = dot if config.warm_counter is None else config.warm_counter
     if grid[2] > 1 and counts.numel() < grid[0] * grid[1]:
         raise ValueError(f"down_silu: {counts.numel()} tile counters for {grid[0] * grid[1]} tiles")
     down, rest = x.new_empty(t, rank), x.new_empty(t, n - rank)
@@ -442,7 +447,7 @@ def down_silu(
     _down_silu_kernel[grid](
         x, weight, down, rest, part, counts, t, k, n, x.stride(0), weight.stride(0), part_stride, rank, scale,
         SPLIT=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=x.device.type == "cpu",
-        WARM_COUNTER=config.warm_counter, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
+        WARM_COUNTER=warm_counter, num_warps=config.num_warps or (4 if dot else 2), launch_pdl=launch_pdl(x),
     )  # fmt: skip
     return down, rest
 
