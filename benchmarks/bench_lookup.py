@@ -1,6 +1,7 @@
 """Offloaded INT8 PLE lookup bandwidth on one GPU, every path side by side in one run.
 
-    python benchmarks/bench_lookup.py [--table-gb 12] [--tokens 16384] [--one-host-copy] [--out benchmarks/results]
+    python benchmarks/bench_lookup.py [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
+                                      [--out benchmarks/results]
 
 Table: INT8 rows of `--dim` bytes + one bf16 scale per row, sized to `--table-gb`, in pinned host memory
 (and a GPU-resident copy for the reference path). Row ids come from our n-gram hash (16 heads) over
@@ -77,6 +78,23 @@ def _packed_kernel(ids_ptr, rows_ptr, out_ptr, n_pairs, D: tl.constexpr, BLOCK_D
     tl.store(out_ptr + p[:, None] * D + cols[None, :], _to_bf16_rtne(w * scale[:, None]), mask=mc)
 
 
+def numa_nodes() -> dict[str, int]:
+    """Free bytes per host NUMA node: taken before and after the table is pinned, where its pages went (a GPU reads
+    another node's memory over the link between sockets)."""
+    free = {}
+    for meminfo in sorted(Path("/sys/devices/system/node").glob("node*/meminfo")):
+        kb = next(line.split()[-2] for line in meminfo.read_text().splitlines() if "MemFree:" in line)
+        free[meminfo.parent.name] = int(kb) * 1024
+    return free
+
+
+def gpu_numa_node() -> int | None:
+    """The host NUMA node the GPU's PCI device sits on (-1: the firmware does not say; None: not found)."""
+    p = torch.cuda.get_device_properties(0)
+    path = Path(f"/sys/bus/pci/devices/{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0/numa_node")
+    return int(path.read_text()) if path.exists() else None
+
+
 def uva_view(t: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor aliasing a pinned host tensor (what the earlier implementation fed F.embedding)."""
     import cupy
@@ -101,15 +119,20 @@ def main() -> None:
     ap.add_argument("--one-host-copy", action="store_true",
                     help="skip the variants that pin a second and a third copy of the table (2 MiB pages, scale beside "
                     "row): the release's whole 52 GB TP1 table then fits a 128 GiB host")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="the table itself on 2 MiB pages (with --one-host-copy, where no second copy is)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if args.huge_pages and not args.one_host_copy:
+        ap.error("--huge-pages puts the one host copy on 2 MiB pages: the default run measures them on a second copy")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     D, T = args.dim, args.tokens
     spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
     R, H = spec.rows, spec.num_heads
     t0 = time.time()
-    table = PLETable(R, D, PLEStorage("int8", "cuda", host=True))
+    numa_before = numa_nodes()
+    table = PLETable(R, D, PLEStorage("int8", "cuda", host=True, huge_pages=args.huge_pages))
     w_host, s_host = table.weight, table.scale
     chunk = 1 << 24
     pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)
@@ -117,7 +140,10 @@ def main() -> None:
         w_host[a : a + chunk].copy_(pattern[: min(chunk, R - a)])
     s_host.copy_((torch.rand(R, 1, generator=gen) * 0.02).to(torch.bfloat16))
     table_bytes = w_host.nbytes + s_host.nbytes
-    print(f"table {R} rows x {D} B = {table_bytes / 1e9:.2f} GB pinned in {time.time() - t0:.0f}s", flush=True)
+    print(f"table {R} rows x {D} B = {table_bytes / 1e9:.2f} GB pinned in {time.time() - t0:.0f}s: {table.describe()}", flush=True)
+    numa = {"gpu_node": gpu_numa_node(), "table_GB_by_node": {n: round((numa_before[n] - free) / 1e9, 2)
+                                                              for n, free in numa_nodes().items()}}  # fmt: skip
+    print(f"NUMA: {numa}", flush=True)
 
     bulk = torch.empty(1 << 31, dtype=torch.int8, pin_memory=True)
     bulk_gpu = torch.empty_like(bulk, device="cuda")
@@ -257,9 +283,11 @@ def main() -> None:
 
     report = {
         "formats": formats,
-        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": __import__("os").cpu_count()},
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": __import__("os").cpu_count(),
+                    "numa": numa},
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-        "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful},
+        "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful,
+                   "table": table.describe()},
         "bulk_pinned_to_gpu_GBps": bulk_gbs,
         "fused_sweep_uniform_GBps": sweeps[False],
         "fused_sorted_sweep_uniform_GBps": sweeps[True],

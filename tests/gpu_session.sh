@@ -14,8 +14,9 @@
 #                                  (default 40); result files -> $OUT/results)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
-#   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (not timed yet: keep
-#                                  it alone in a call; the GPU-resident reference takes 52 GB)  -> $OUT/lookup_release_tp1
+#   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (82 s; the
+#                                  GPU-resident reference takes 52 GB)  -> $OUT/lookup_release_tp1; HUGE=1: that copy on
+#                                  2 MiB pages -> $OUT/lookup_release_tp1_huge
 #   file-tier                      benchmarks/bench_file_tier.py on an 8 GB table of the release's rows: lookups at 100 / 50 / 20 /
 #                                  5 % resident, text / Zipf / uniform ids, cold and warm (no vLLM)  -> $OUT/file_tier
 #   memory                         GPU bytes after load, the default 2 GB host table, per graph mode (MODES, default the
@@ -68,7 +69,8 @@ PY
           | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
-                --formats-table-gb 0 --out "$OUT/lookup_release_tp1" 2>&1 | grep -v "^ \|^{\|^}" | tail -40 ;;
+                ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
+                | grep -v "^ \|^{\|^}" | tail -40 ;;
   file-tier) python3 -m benchmarks.bench_file_tier --table-gb 8 --dir /tmp/file-tier --out "$OUT/file_tier" 2>&1 | tail -40 ;;
   memory) for m in ${MODES:-full_and_piecewise piecewise full_decode_only_compiled}; do
             python3 benchmarks/bench_serve.py --memory-only --graph-mode "$m" --variants ${VARS:-host_int8 gpu_int8} \
