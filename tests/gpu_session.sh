@@ -3,7 +3,9 @@
 # ../shared/gpu-vllm; the CuTe DSL and FA3 of gpu_cute_dsl.sh when stashed there). Carry [".gpu-vllm"], then:
 #   STEPS...                       what runs, in order, in one call:
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
-#   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time)
+#   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
+#                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
+#                                  alone on this disk, for write and serve)
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
@@ -35,8 +37,8 @@ if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]
     && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
 [ -d /tmp/dsl-stash ] && source tests/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
-B="--geometry release --table-gb 13 --layers 48 --indexer-budget 2048"
-W=/tmp/bench_serve/release-13gb-48layers-budget2048
+export TABLE_GB=${TABLE_GB:-13} W=/tmp/bench_serve/release-${TABLE_GB:-13}gb-48layers-budget2048
+B="--geometry release --table-gb $TABLE_GB --layers 48 --indexer-budget 2048"
 for step in "$@"; do
   t0=$(date +%s); echo "=== $step"
   case $step in
@@ -48,9 +50,8 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 import bench_serve as b
-model = {**b.release_model(13.0), **b.depth(48), "indexer_budget": 2048}
-print(b.write_checkpoints(Path(os.environ.get("W", "/tmp/bench_serve/release-13gb-48layers-budget2048")), model,
-                          set(os.environ.get("KINDS", "int8 fp8").split())))
+model = {**b.release_model(float(os.environ["TABLE_GB"])), **b.depth(48), "indexer_budget": 2048}
+print(b.write_checkpoints(Path(os.environ["W"]), model, set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
          sync ;;  # the tens of GB just written flush now, not under the first engine's timings
   serve) if [[ " $VARS" == *" vllm_"* ]] && [ -z "$DSL_READY" ]; then  # before minutes of engine start
