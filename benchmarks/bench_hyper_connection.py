@@ -19,10 +19,11 @@ hyper-connections with weights of their own (16 by default: 220 MB, beyond the H
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
 NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
-(`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Then the default, the 4 fastest launches,
-CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees). Reported: µs per
-hyper-connection, the ratios torch / kernels, unpadded / padded and cuBLAS + silu / fused, every variant's outputs'
-largest difference from torch's, and the sweep's µs per config with its best. Writes JSON + PNG into `--out`.
+(`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Then the default, the 8 fastest launches,
+CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees; session 27
+served its best at b = 16 as it ranked). Reported: µs per hyper-connection, the ratios torch / kernels, unpadded /
+padded and cuBLAS + silu / fused, every variant's outputs' largest difference from torch's, and the sweep's µs per
+config with its best. Writes JSON + PNG into `--out`.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     blocks, 4 warps (8 lost everywhere). Session 26 measured and dropped two more there: 2 / 4 / 6 K blocks in flight
     (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 0.3 % of the best launch without them and served
     no faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
-    before the wait) took 2.2-2.7x. The best four also with `warm_counter` (split-K served at 1.31-1.40x its time here,
-    whole rows, which have no counters, at 1.01-1.04x: each module's counters are cold at its launch). At every size
+    before the wait) took 2.2-2.7x. Split-K touches its counters early (`warm_counter`, the default since session 27:
+    each module's counters are cold at its launch; within noise alone, 1-2 % faster in the block), and two launches
+    also without it, which keeps the difference measured. At every size
     also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait;
     above 4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program
     holding its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its
@@ -95,8 +97,8 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
         return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, warm_counter=False, whole_rows=False)
                 for n, s, k, w in grid] + whole  # fmt: skip
-    grid = [(s, k, False) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))]
-    grid += [(s, k, True) for s, k in ((8, 256), (10, 128), (10, 256), (16, 128))]  # the best four, counters touched early
+    grid = [(s, k, True) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))]
+    grid += [(s, k, False) for s, k in ((10, 256), (16, 128))]  # the defaults above and up to 16 tokens, counters cold
     return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, warm_counter=wc, whole_rows=False)
             for s, k, wc in grid] + whole  # fmt: skip
 
@@ -167,7 +169,7 @@ def sweep(weights, g: torch.Generator) -> dict:
     return out
 
 
-def block_candidates(alone: dict, n: int = 4) -> dict[str, hc.DownSiluConfig]:
+def block_candidates(alone: dict, n: int = 8) -> dict[str, hc.DownSiluConfig]:
     """The default launch and the `n` fastest of a token count's alone sweep, by label."""
     timed = sorted((v, k) for k, v in alone.items() if k.startswith(("rows_", "split")) and isinstance(v, float))
     return {"default": hc.DownSiluConfig()} | {k: hc.DownSiluConfig.parse(k) for _, k in timed[:n]}
