@@ -113,14 +113,17 @@ def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Te
              torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)) for _ in range(n)]  # fmt: skip
 
 
-def config_row(per, baseline: tuple, configs: list, label, launch) -> dict:
+def config_row(per, baseline: tuple, configs: list, label, launch, wrong=lambda c: None) -> dict:
     """µs of `baseline` (name, launch over a weight and its counters) and of `launch(weight, counters, config)` per
-    config, timed by `per`; a config Triton cannot compile here (registers, shared memory) is reported under
-    `failed`, not fatal to the sweep. Then the best, its ratio to the baseline, and the default launch's (`None`)."""
+    config, timed by `per`; a config Triton cannot compile here (registers, shared memory), or whose output `wrong`
+    faults (a message), is reported under `failed`, not fatal to the sweep and never its best. Then the best, its
+    ratio to the baseline, and the default launch's (`None`)."""
     name, base = baseline
     row = {name: per(base)}
     for c in configs:
         try:
+            if fault := wrong(c):
+                raise ValueError(fault)
             row[label(c)] = per(lambda w, counts, c=c: launch(w, counts, c))
         except Exception as e:
             row.setdefault("failed", {})[label(c)] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -141,6 +144,16 @@ def vllm_down_silu():
     return hc_down_silu
 
 
+def off_reference(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Where a launch's (silu, rest) is more than two bf16 steps of the largest value off the torch reference (what
+    tests/test_hyper_connection.py allows): a message, so that a wrong launch cannot win the sweep."""
+    for name, a, b in zip(("silu", "rest"), got, hc.down_silu_reference(x, w[: RANK + HC], RANK, float(HC)), strict=True):
+        err, bound = (a.float() - b.float()).abs().max().item(), 2 * torch.finfo(b.dtype).eps * b.float().abs().max().item()
+        if not err <= bound:
+            return f"{name} {err:.3g} off the reference (bound {bound:.3g})"
+    return None
+
+
 def sweep(weights, g: torch.Generator) -> dict:
     """µs per `down_silu` (the GEMM and the silu alone) per launch config, and cuBLAS + the silu kernel, per token
     count, each run going through every weight set; and vLLM's class's kernel where it is installed."""
@@ -149,10 +162,10 @@ def sweep(weights, g: torch.Generator) -> dict:
     for t in SWEEP_TOKENS:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         per = lambda f: do_bench_cudagraph(lambda: [f(w, counts) for _, w, _, counts in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
+        launch = lambda w, counts, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig())  # noqa: E731
         row = config_row(
             per, ("cublas_silu", lambda w, _: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
-            hc.DownSiluConfig.label,
-            lambda w, counts, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig()),
+            hc.DownSiluConfig.label, launch, lambda c: off_reference(launch(weights[0][1], weights[0][3], c), x, weights[0][1]),
         )  # fmt: skip
         with no_pdl("_no_pdl"):
             row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w, counts: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))

@@ -220,6 +220,28 @@ def test_every_sweep_label_names_its_launch(tokens):
 
 
 @cpu_only
+def test_a_launch_off_the_reference_cannot_win_the_sweep():
+    """The sweep checks each launch's output once before timing it: one a bf16 step per value off stays in; a few
+    steps off is reported under `failed` and is not the best, however fast."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, bench_hc.HC * bench_hc.HIDDEN, generator=g).to(torch.bfloat16)
+    w = (torch.randn(bench_hc.RANK + bench_hc.HC, bench_hc.HC * bench_hc.HIDDEN, generator=g) / 100).to(torch.bfloat16)
+    silu, rest = hc.down_silu_reference(x, w, bench_hc.RANK, float(bench_hc.HC))
+    assert bench_hc.off_reference((silu, rest), x, w) is None
+    step = (rest.float() * (1 + torch.finfo(torch.bfloat16).eps)).to(torch.bfloat16)  # one bf16 step at most
+    assert bench_hc.off_reference((silu, step), x, w) is None
+    off = (rest.float() * 1.05).to(torch.bfloat16)
+    assert bench_hc.off_reference((silu, off), x, w).startswith("rest")
+    fast_wrong, slow_right = hc.DownSiluConfig(split=16), hc.DownSiluConfig(split=10)
+    timings = {fast_wrong: 1.0, slow_right: 2.0}
+    row = bench_hc.config_row(
+        lambda f: timings.get(f(None, None), 3.0), ("base", lambda w, counts: None), [fast_wrong, slow_right],
+        lambda c: f"split{c.split}", lambda w, counts, c: c, lambda c: "silu off" if c is fast_wrong else None,
+    )  # fmt: skip
+    assert row["best"] == "split10" and "split16" in row["failed"] and "split16" not in row
+
+
+@cpu_only
 def test_the_block_sweep_takes_the_alone_sweeps_fastest():
     """The in-block sweep times the default and the alone sweep's fastest launches, by label; not the baseline,
     the failures or the summary fields."""
