@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -59,14 +60,18 @@ def no_pdl(name: str):
     return mock.patch.dict(os.environ, {PDL_ENV: "0"}) if name.endswith("_no_pdl") else contextlib.nullcontext()
 
 
-def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=None):
+def fused_down(x, w, counts, config: hc.DownSiluConfig | None = None):
+    """`down_silu` over the merged weight's rows that are not padding, as the model passes them (`config`: a launch;
+    None: the default's)."""
+    return hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, config or hc.DownSiluConfig())
+
+
+def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=fused_down):
     """One hyper-connection of `variant` (its ops and padding, `OPS`): (the streams, the mix and its weights).
-    `down(normed, padded weight, counts)`: the fused variants' down GEMM + silu (default: `down_silu`'s default
-    launch over the rows that are not padding, as the model passes them)."""
+    `down(normed, padded weight, counts)`: the fused variants' down GEMM + silu."""
     (inject_norm, scaled_silu, gate_mix), pad = OPS[variant]
     streams, normed = inject_norm(streams, norm_w, 1e-6, HIDDEN, *pending)
     if variant in DECODE_ONLY:
-        down = down or (lambda x, w, counts: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
         silu, rest = down(normed, down_w, counts)
         return streams, gate_mix(F.linear(silu, up_w), normed, HC, rest[:, :HC])
     down, logits = F.linear(normed, down_w[: RANK + HC + pad]).split([RANK, HC, pad], -1)[:2]
@@ -162,13 +167,13 @@ def sweep(weights, g: torch.Generator) -> dict:
     for t in SWEEP_TOKENS:
         x = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         per = lambda f: do_bench_cudagraph(lambda: [f(w, counts) for _, w, _, counts in weights], rep=50) * 1e3 / len(weights)  # noqa: E731
-        launch = lambda w, counts, c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c or hc.DownSiluConfig())  # noqa: E731
+        launch = lambda w, counts, c: fused_down(x, w, counts, c)  # noqa: E731
         row = config_row(
             per, ("cublas_silu", lambda w, _: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
             hc.DownSiluConfig.label, launch, lambda c: off_reference(launch(weights[0][1], weights[0][3], c), x, weights[0][1]),
         )  # fmt: skip
         with no_pdl("_no_pdl"):
-            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w, counts: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts))
+            row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w, counts: fused_down(x, w, counts))
         if cute is not None:  # compiled (JIT) outside the timed graphs, checked against the reference
             w = weights[0][1]
             silu = cute(x, w, RANK, HC)[0]
@@ -200,13 +205,13 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
         pending = (torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16),
                    torch.rand(t, HC, device="cuda", generator=g).to(torch.bfloat16) * 2)  # fmt: skip
 
-        def per(variant, down=None):
+        def per(variant, down=fused_down):
             run = lambda: [block(variant, streams, pending, *w, down) for w in weights]  # noqa: E731
             return do_bench_cudagraph(run, rep=50) * 1e3 / len(weights)
 
         row = {"cublas_silu": per("kernels")}
         for label, c in block_candidates(alone[t]).items():
-            row[label] = per("kernels_down_silu", lambda x, w, counts, c=c: hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, c))
+            row[label] = per("kernels_down_silu", functools.partial(fused_down, config=c))
         with no_pdl("_no_pdl"):
             row["default_no_pdl"] = per("kernels_down_silu_no_pdl")
         if cute is not None:
