@@ -5,7 +5,8 @@
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
 #                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
-#                                  alone on this disk, for write and serve)
+#                                  and LAYERS=12 for write and serve: 48 layers' other weights take it past the disk's 64 GB;
+#                                  LAYERS, default 48)
 #   serve                          bench_serve at the release geometry (VARS: variants and flags, MODE: graph mode,
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
@@ -37,8 +38,9 @@ if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]
     && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
 [ -d /tmp/dsl-stash ] && source tests/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
-export TABLE_GB=${TABLE_GB:-13} W=/tmp/bench_serve/release-${TABLE_GB:-13}gb-48layers-budget2048
-B="--geometry release --table-gb $TABLE_GB --layers 48 --indexer-budget 2048"
+export TABLE_GB=${TABLE_GB:-13} LAYERS=${LAYERS:-48}
+export W=/tmp/bench_serve/release-${TABLE_GB}gb-${LAYERS}layers-budget2048
+B="--geometry release --table-gb $TABLE_GB --layers $LAYERS --indexer-budget 2048"
 for step in "$@"; do
   t0=$(date +%s); echo "=== $step"
   case $step in
@@ -50,7 +52,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 import bench_serve as b
-model = {**b.release_model(float(os.environ["TABLE_GB"])), **b.depth(48), "indexer_budget": 2048}
+model = {**b.release_model(float(os.environ["TABLE_GB"])), **b.depth(int(os.environ["LAYERS"])), "indexer_budget": 2048}
 print(b.write_checkpoints(Path(os.environ["W"]), model, set(os.environ.get("KINDS", "int8 fp8").split())))
 PY
          sync ;;  # the tens of GB just written flush now, not under the first engine's timings
