@@ -49,9 +49,10 @@ class PLETable:
     them unless `storage.scales_on_device`; the one-number scale always lives on the accelerator. A checkpoint
     shard holds `shard_rows` rows (default: all)."""
 
-    # kernel settings measured on an H200 (benchmarks/bench_lookup.py; docs/PERFORMANCE.md)
+    # kernel settings measured on an H200 (benchmarks/bench_lookup.py; docs/PERFORMANCE.md). Host rows: 4 rows a
+    # program ties 8 on 12-13 GB tables and reads the 52 GB TP1 table 1.26x faster
     DEVICE_TUNING = dict(block_p=16, num_warps=4)
-    HOST_TUNING = dict(block_p=8, num_warps=8, sort=True)
+    HOST_TUNING = dict(block_p=4, num_warps=8, sort=True)
 
     def __init__(
         self, rows: int, dim: int, storage: PLEStorage = PLEStorage(), *, start: int = 0, end: int | None = None,
