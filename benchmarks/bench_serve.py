@@ -31,12 +31,13 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      whether the file tier's host function waits for the GIL)
   host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (the file tier's
                      mode until its reads were captured in full graphs; sessions 8-17 measured it beside them)
-Reported: decode tokens/s at batch 1/32/256 (`--batches`; after a 64-token prompt, 64 new tokens, from the engine's own token
-timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
+Reported: decode tokens/s at batch 1/32/256 (`--batches`; after a 64-token prompt, 64 new tokens, from the engine's own
+token timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
 enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
 wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`; a batch the KV cache cannot
 hold at once would decode in waves, which `decode_step` refuses and an engine's start-up probe catches first),
-prefill tokens/s at 4k and 16k tokens (one prompt), GPU bytes of weights + tables, host table bytes, and what the
+prefill tokens/s at 4k and 16k tokens (one prompt; from its scheduling to its first token, `prefill_time`, and by wall
+clock as `prefill_wall_tokens_per_s`), GPU bytes of weights + tables, host table bytes, and what the
 CUDA allocator holds once the engine is up (`--memory-only`: that alone, for every graph mode's check that
 the GPU holds no copy of a host table).
 A variant whose engine does not start is reported with its error. `--profile` adds, per variant and decode
@@ -195,6 +196,19 @@ def decode_step(outputs) -> float:
     return statistics.median(steps)
 
 
+def prefill_time(outputs) -> float:
+    """Seconds from a request's scheduling to its first token, vLLM's own `prefill_time` (engine-core timestamps):
+    the median over requests. The wall clock around a one-token call also held the request's fixed cost, which
+    moved one class's 4k prefill (~0.25 s) between 12 558 and 18 385 tokens/s from engine to engine (sessions 27-29)."""
+    times = []
+    for o in outputs:
+        m = o.metrics
+        if m is None or not m.scheduled_ts or not m.first_token_ts:
+            raise ValueError(f"request {o.request_id}: no scheduling or first-token timestamp (log stats off?)")
+        times.append(m.first_token_ts - m.scheduled_ts)
+    return statistics.median(times)
+
+
 PROFILE_TOKENS = 16  # decode steps profiled: CUDA kernels only, so 48 layers' events stay cheap to collect
 IDLE_GAP_US = 20  # a GPU idle gap this long is a wait (on the host, a sync), not a launch's latency
 
@@ -299,19 +313,20 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
         os._exit(0)
     gen = torch.Generator().manual_seed(0)
 
-    def timed(prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None]:
-        """Median wall time of `repeats` runs, and their median seconds per decode step (`decode_step`; None for
-        one-token requests)."""
+    def timed(prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None, float]:
+        """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
+        one-token requests) and their median prefill seconds (`prefill_time`)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        times, steps = [], []
+        times, steps, prefills = [], [], []
         for _ in range(repeats):
             torch.cuda.synchronize()
             t = time.perf_counter()
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             times.append(time.perf_counter() - t)
+            prefills.append(prefill_time(outputs))
             if max_tokens > 1:
                 steps.append(decode_step(outputs))
-        return statistics.median(times), statistics.median(steps) if steps else None
+        return statistics.median(times), statistics.median(steps) if steps else None, statistics.median(prefills)
 
     results = {}
     probe = prompt_source(args.prompts[0], vocab_size, torch.Generator().manual_seed(1))
@@ -322,18 +337,19 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
         for b in args.batches:
             prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
             timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-            prefill_only, _ = timed(prompts, 1)
-            wall, step = timed(prompts, 1 + DECODE_TOKENS)
+            prefill_only, _, _ = timed(prompts, 1)
+            wall, step, _ = timed(prompts, 1 + DECODE_TOKENS)
             decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
             fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
             if args.profile:
                 profiles[b] = profile_decode(llm, prompts)
-        prefill = {}
+        prefill, prefill_wall = {}, {}
         for n in PREFILL_LENGTHS:
             timed([prompt(n)], 1, repeats=1)  # warm-up
-            prefill[n] = n / timed([prompt(n)], 1)[0]
+            wall, _, engine_s = timed([prompt(n)], 1)
+            prefill[n], prefill_wall[n] = n / engine_s, n / wall
         results[kind] = {
-            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill,
+            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill, "prefill_wall_tokens_per_s": prefill_wall,
             "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
             **spec_decode_counters(llm),
             **({"decode_profile": profiles} if args.profile else {}),

