@@ -1,6 +1,6 @@
 """`benchmarks/bench_lookup.py`'s host facts and options: where the table's pages went (NUMA), and 2 MiB pages for the
 one host copy the release's 52 GB TP1 table leaves room for (at TP1 the fused lookup read 5.66 GB/s against
-13 GB's 11.6, session 27: pages and the NUMA node are the two suspects the next run tells apart)."""
+13 GB's 11.6, session 27; session 28 ruled both out: 5.68 on 2 MiB pages, one NUMA node)."""
 
 import sys
 from pathlib import Path
