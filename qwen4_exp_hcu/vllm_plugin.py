@@ -16,6 +16,7 @@ quantizes their main model (see `qwen4_exp_hcu.model.quant`), and checks the plu
 repeats the root cause as the last line (`qwen4_exp_hcu.startup_report`).
 """
 
+import contextlib
 import os
 
 from qwen4_exp_hcu.env import TORCH_OPS_ENV, our_architectures
@@ -59,12 +60,41 @@ def check_settings_with_config(architecture: str) -> None:
         def verify_and_update_config(vllm_config) -> None:
             from vllm.platforms import current_platform
 
-            base.verify_and_update_config(vllm_config)
+            with single_stage_view(vllm_config.parallel_config):
+                base.verify_and_update_config(vllm_config)
             plugin_settings(vllm_config.additional_config)  # bad settings fail here, naming them
+            check_engram(vllm_config)
             check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
             new_engine_start()
 
     MODELS_CONFIG_MAP[architecture] = WithPluginSettings
+
+
+@contextlib.contextmanager
+def single_stage_view(parallel_config):
+    """`parallel_config` as one pipeline stage while vLLM's own hook for the architecture runs: releases before
+    0.34 refuse pipeline parallelism there because vLLM's class hashes token ids on the first stage only; ours
+    hands them to every stage (`model.model.Qwen4ExpModel`). Its other checks still run."""
+    stages = parallel_config.pipeline_parallel_size
+    parallel_config.pipeline_parallel_size = 1
+    try:
+        yield
+    finally:
+        parallel_config.pipeline_parallel_size = stages
+
+
+def check_engram(vllm_config) -> None:
+    """Engram settings this package serves its own way, refused at start-up with what to use instead."""
+    from qwen4_exp_hcu.model.vllm_api import disk_offload_requested
+    from qwen4_exp_hcu.settings import WHERE
+
+    if disk_offload_requested(vllm_config):
+        raise ValueError(
+            "--engram-config.disk_offload is vLLM's own disk tier for its Qwen4Exp class. qwen4_exp_hcu reads PLE rows "
+            f"from the checkpoint's files through its file tier instead: drop disk_offload and set {WHERE}.host_table_gib "
+            "(GiB per rank of the most-read rows kept in host memory; the rest are read from the files), e.g. "
+            '--additional-config \'{"qwen4_exp_hcu": {"host_table_gib": 4}}\'.'
+        )
 
 
 def check_torch_ops(enforce_eager: bool, accelerator: bool) -> None:

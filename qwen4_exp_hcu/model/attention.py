@@ -4,7 +4,8 @@ QSA lets each query attend to at most `indexer_budget` tokens chosen from mean-p
 `indexer_compress_ratio` tokens (plus the unpooled tail). While every sequence has at most
 `indexer_budget` tokens, every complete block is selected and QSA is exactly dense causal attention,
 so we run vLLM's dense `Attention` then. Longer contexts need the real QSA kernels: on CUDA-alike
-platforms vLLM's own Qwen4Exp QSA attention is imported; elsewhere the configuration is rejected.
+platforms vLLM's own Qwen4Exp QSA attention is imported (`vllm_api.qsa_attention_builder`); elsewhere the
+configuration is rejected.
 """
 
 import torch
@@ -30,18 +31,6 @@ def check_dense_attention_allowed(config, max_model_len: int, platform_name: str
             f"while a sequence fits the indexer budget: max_model_len={max_model_len} > "
             f"indexer_budget={config.indexer_budget}. Set --max-model-len <= {config.indexer_budget}."
         )
-
-
-def load_qsa_attention_cls():
-    """vLLM's own Qwen4Exp QSA attention for this accelerator (imported, never copied)."""
-    import importlib
-
-    from vllm.platforms import current_platform
-
-    package = f"vllm.models.qwen4_exp.{'amd' if current_platform.is_rocm() else 'nvidia'}"
-    # In vLLM 0.33 `qsa` and `model` import each other; entering through `model` resolves the cycle.
-    importlib.import_module(f"{package}.model")
-    return importlib.import_module(f"{package}.qsa").Qwen4ExpQSAAttention
 
 
 class DenseGatedAttention(nn.Module):

@@ -56,7 +56,9 @@ class GatedResidual(nn.Module):
             hc_hidden, self.sizes + [pad] * (pad > 0), bias=False, disable_tp=True, return_bias=False,
             prefix=f"{prefix}.input_mix_weight_down_block_inject",
         )  # fmt: skip
-        self.input_mix_weight_down_block_inject.weight.data[sum(self.sizes) :].zero_()
+        if pad:  # no checkpoint has this shard: it is loaded here, so vLLM's loader finds every shard filled
+            linear = self.input_mix_weight_down_block_inject
+            linear.weight_loader(linear.weight, linear.weight.new_zeros(pad, hc_hidden), len(self.sizes))
         self.register_buffer("down_silu_counts", torch.zeros(DOWN_SILU_TILES, dtype=torch.int32), persistent=False)
         self.input_mix_weight_up = ReplicatedLinear(
             config.hc_lowrank, hc_hidden, bias=False, return_bias=False, prefix=f"{prefix}.input_mix_weight_up"

@@ -11,13 +11,14 @@ the streams the next hyper-connection fuses with its norm.
 
 import copy
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import (
@@ -26,9 +27,9 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsPP
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, WeightsMapper, make_layers
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -36,15 +37,11 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from qwen4_exp_hcu.names import SHARD, SKIPPED, SKIPPED_WITHOUT_QSA, ple_layers
 
-from .attention import (
-    DenseGatedAttention,
-    check_dense_attention_allowed,
-    dense_attention_is_exact,
-    load_qsa_attention_cls,
-)
+from .attention import DenseGatedAttention, check_dense_attention_allowed, dense_attention_is_exact
 from .hyper_connection import GatedResidual, Pending, inject
 from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, ple_mamba_spec
 from .ple_placement import PLEPlacement
+from .vllm_api import drafter_gets_target_streams, qsa_attention_builder
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -72,13 +69,6 @@ _SPECULATORS = ("ngram", "ngram_gpu", "suffix", "mtp")
 
 
 def _check_parallel_config(vllm_config: VllmConfig) -> None:
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp > 1:
-        raise ValueError(
-            f"qwen4_exp_hcu's Qwen4ExpForCausalLM does not support pipeline parallelism "
-            f"(pipeline_parallel_size={pp}): PLE needs the raw token ids on every rank. "
-            "Use tensor/data parallelism instead."
-        )
     if vllm_config.parallel_config.use_ubatching:
         raise ValueError(
             "qwen4_exp_hcu's Qwen4ExpForCausalLM does not support micro-batching (--enable-dbo, --ubatch-size > 1): "
@@ -93,7 +83,7 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
             f"qwen4_exp_hcu serves speculative decoding with PLE layers through {', '.join(_SPECULATORS)}; "
             f"--speculative-config.method={spec.method} is not supported yet."
         )
-    if spec.method == "mtp" and not vllm_config.use_v2_model_runner:
+    if spec.method == "mtp" and not drafter_gets_target_streams(vllm_config):
         raise ValueError(
             "--speculative-config.method=mtp: the Qwen4Exp MTP head drafts from all hc_count hyper-connection "
             "streams, which only vLLM's V2 model runner hands a drafter (it is off here: VLLM_USE_V2_MODEL_RUNNER=0, "
@@ -108,23 +98,29 @@ def _gdn_config(config):
     return config
 
 
-def uses_qsa(vllm_config: VllmConfig) -> bool:
-    """Whether attention layers need the QSA indexer: not while every sequence fits its budget, where dense
-    attention is exact (and the only attention a CPU serves: a longer context is rejected there)."""
+QSABuilder = Callable[[int, str], nn.Module]  # (layer index, prefix) -> vLLM's QSA attention layer
+
+
+def qsa_builder(vllm_config: VllmConfig) -> QSABuilder | None:
+    """What builds the attention layers when they need the QSA indexer; None while every sequence fits its
+    budget, where dense attention is exact (and the only attention a CPU serves: a longer context is rejected
+    there)."""
     config, max_model_len = vllm_config.model_config.hf_text_config, vllm_config.model_config.max_model_len
-    qsa = config.indexer_n_heads is not None and not dense_attention_is_exact(config, max_model_len)
-    if qsa and not current_platform.is_cuda_alike():
+    if config.indexer_n_heads is None or dense_attention_is_exact(config, max_model_len):
+        return None
+    if not current_platform.is_cuda_alike():
         check_dense_attention_allowed(config, max_model_len, current_platform.device_name)
-    return qsa
+    return qsa_attention_builder(vllm_config)
 
 
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(
-        self, vllm_config: VllmConfig, layer_idx: int, prefix: str, use_qsa: bool, layer_type: str | None = None,
+        self, vllm_config: VllmConfig, layer_idx: int, prefix: str, qsa: QSABuilder | None, layer_type: str | None = None,
         ple_placement: PLEPlacement | None = None,
     ) -> None:  # fmt: skip
-        """`layer_type` defaults to the config's for `layer_idx` (MTP layers lie beyond the config's list); a layer
-        the config lists in `ple_layer_ids` builds its `PLEBlock` where `ple_placement` says (None: no PLE)."""
+        """`qsa` builds attention layers that need the QSA indexer (None: dense attention is exact); `layer_type`
+        defaults to the config's for `layer_idx` (MTP layers lie beyond the config's list); a layer the config lists
+        in `ple_layer_ids` builds its `PLEBlock` where `ple_placement` says (None: no PLE)."""
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.layer_type = layer_type or config.layer_types[layer_idx]
@@ -134,14 +130,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
             self.linear_attn = QwenGatedDeltaNetAttention(
                 _gdn_config(config), vllm_config=vllm_config, prefix=f"{prefix}.linear_attn"
             )
-        elif use_qsa:
-            self.self_attn = load_qsa_attention_cls()(
-                vllm_config=vllm_config,
-                config=config,
-                layer_id=layer_idx,
-                quant_config=vllm_config.quant_config,
-                prefix=f"{prefix}.self_attn",
-            )
+        elif qsa is not None:
+            self.self_attn = qsa(layer_idx, f"{prefix}.self_attn")
         else:
             self.self_attn = DenseGatedAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
@@ -169,43 +159,62 @@ class Qwen4ExpDecoderLayer(nn.Module):
 # positions are [T] or, when the checkpoint's RoPE keeps M-RoPE sections, [3, T]: T is the dynamic dim.
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0})
 class Qwen4ExpModel(nn.Module):
+    """The decoder layers of this pipeline stage (all of them without pipeline parallelism). A stage hands the
+    next one its streams, the previous block's injection applied, and the token ids, which the later stages' PLE
+    layers hash: every stage may hold PLE layers."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.hc_count = config.hc_count
-        self.use_qsa = uses_qsa(vllm_config)
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
-        )
+        qsa = qsa_builder(vllm_config)
+        self.use_qsa = qsa is not None
+        pp = get_pp_group()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+            if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank) else PPMissingLayer()
+        )  # fmt: skip
         placement = PLEPlacement(vllm_config) if config.ple_layer_ids else None
-        self.layers = nn.ModuleList(
-            Qwen4ExpDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}", self.use_qsa, ple_placement=placement)
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: Qwen4ExpDecoderLayer(vllm_config, _index(prefix), prefix, qsa, ple_placement=placement),
+            prefix=f"{prefix}.layers",
         )
-        self.hyper_connection_mixer = GatedResidual(
-            config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False
-        )
-        self.ple_blocks: list[PLEBlock] = [layer.ple for layer in self.layers if layer.ple is not None]
+        self.hyper_connection_mixer = (
+            GatedResidual(config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False)
+            if pp.is_last_rank else PPMissingLayer()
+        )  # fmt: skip
+        self.ple_blocks: list[PLEBlock] = [layer.ple for layer in self.stage_layers() if layer.ple is not None]
         # prefetch_before[i]: PLE blocks whose table lookup starts right before decoder layer i runs.
         self.prefetch_before: list[list[PLEBlock]] = [[] for _ in self.layers]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.stage_layers(), self.start_layer):
             if layer.ple is not None and layer.ple.prefetch is not None:
-                self.prefetch_before[max(i - 1, 0)].append(layer.ple)
+                self.prefetch_before[max(i - 1, self.start_layer)].append(layer.ple)
         splitting_ops = vllm_config.compilation_config.splitting_ops
         if self.ple_blocks and splitting_ops:  # piecewise graphs: run PLE eagerly between them, like attention
             splitting_ops.extend(op for op in (PREFETCH_OP, FORWARD_OP) if op not in splitting_ops)
         spec = vllm_config.speculative_config
         # MTP drafts from the streams before the final mixer: each step leaves them here for the drafter
         self.mtp_hidden = None
-        if spec is not None and spec.method == "mtp":
+        if spec is not None and spec.method == "mtp" and pp.is_last_rank:
             self.mtp_hidden = torch.empty(
                 vllm_config.scheduler_config.max_num_batched_tokens, self.hc_count * config.hidden_size,
                 dtype=vllm_config.model_config.dtype,
             )  # fmt: skip
 
+    def stage_layers(self) -> list[Qwen4ExpDecoderLayer]:
+        return list(self.layers[self.start_layer : self.end_layer])
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
+        """What a stage receives from the one before it: the streams and the token ids."""
+        return IntermediateTensors({
+            "streams": torch.zeros(batch_size, self.hc_count * self.config.hidden_size, dtype=dtype, device=device),
+            "input_ids": torch.zeros(batch_size, dtype=torch.int64, device=device),
+        })  # fmt: skip
 
     def forward(
         self,
@@ -213,23 +222,36 @@ class Qwen4ExpModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        streams = hidden.repeat(1, self.hc_count)
-        if self.ple_blocks and input_ids is None:
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None:
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            streams = hidden.repeat(1, self.hc_count)
+        else:  # a later pipeline stage
+            streams, input_ids = intermediate_tensors["streams"], intermediate_tensors["input_ids"]
+        if self.config.ple_layer_ids and input_ids is None:
             raise ValueError("Qwen4Exp PLE layers need the token ids; prompt embeddings cannot be used.")
         pending = None
-        for layer, starts in zip(self.layers, self.prefetch_before):
+        for layer, starts in zip(self.stage_layers(), self.prefetch_before[self.start_layer : self.end_layer]):
             for block in starts:
                 block.start_prefetch(input_ids)
             streams, pending = layer(positions, streams, input_ids, pending)
-        if self.mtp_hidden is not None:
+        if pending is not None and (self.mtp_hidden is not None or not get_pp_group().is_last_rank):
             streams, pending = inject(streams, *pending), None
+        if not get_pp_group().is_last_rank:
+            no_ids = input_ids is None  # prompt embeddings, only where no stage has PLE layers
+            ids = streams.new_zeros(streams.shape[0], dtype=torch.int64) if no_ids else input_ids
+            return IntermediateTensors({"streams": streams, "input_ids": ids})
+        if self.mtp_hidden is not None:
             self.mtp_hidden[: streams.shape[0]].copy_(streams)
         return self.hyper_connection_mixer(streams, pending)
 
 
-class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
+def _index(layer_prefix: str) -> int:
+    """The decoder index at the end of `...layers.{i}` (how `make_layers` names each layer it builds)."""
+    return int(layer_prefix.rpartition(".")[2])
+
+
+class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, SupportsPP):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked=_STACKED,
         orig_to_new_prefix=_PREFIXES,
@@ -251,15 +273,16 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            quant_config=self.quant_config,
-            prefix=_join(prefix, "lm_head"),
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, quant_config=self.quant_config, prefix=_join(prefix, "lm_head")
+            )
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.ple_storage_at_load: list[dict] = []  # filled by load_weights
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -270,8 +293,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         served as `Qwen4ExpForCausalLM`; under the alias architecture the runner asks for these."""
         return torch.arange(len(input_tokens)).expand(3, -1), 0
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
-        """Same arguments as `Qwen4ExpModel.forward`; vLLM's extra keyword arguments are not used."""
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        """Same arguments and result as `Qwen4ExpModel.forward`; vLLM's extra keyword arguments are not used."""
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -288,8 +311,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
         blocks = self.model.ple_blocks
         per_shard = 1 + (blocks[0].table.format.row_scale is not None) if blocks else 1  # tensors per shard
-        per_layer = self.config.split_ngram_parts * per_shard
-        with tqdm(total=per_layer * len(blocks), desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
+        # every PLE shard of the checkpoint passes by, those of other pipeline stages' layers too
+        shards = self.config.split_ngram_parts * per_shard * len(ple_layers(self.config))
+        with tqdm(total=shards, desc="Loading PLE tables", unit="shard", disable=not blocks) as bar:
             loaded = AutoWeightsLoader(self).load_weights(_after_each(weights, SHARD.search, bar.update), mapper=mapper)
         for block in blocks:
             block.finish_loading()

@@ -26,7 +26,7 @@ from qwen4_exp_hcu.names import MIXER_INJECT, SKIPPED_WITHOUT_QSA
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 from .hyper_connection import GatedResidual, inject
-from .model import _STACKED, Qwen4ExpDecoderLayer, Qwen4ExpForCausalLM, uses_qsa
+from .model import _STACKED, Qwen4ExpDecoderLayer, Qwen4ExpForCausalLM, qsa_builder
 
 ATTENTION_LAYER_TYPE = "indexed_attention"  # the MTP layers' type (they have no GDN and no PLE)
 
@@ -47,9 +47,10 @@ class Qwen4ExpMultiTokenPredictor(nn.Module):
             for name in ("fc_embedding", "fc_hidden")
         )
         first = config.num_hidden_layers  # the MTP layers continue the target's numbering (unique layer names)
-        self.use_qsa = uses_qsa(vllm_config)
+        qsa = qsa_builder(vllm_config)
+        self.use_qsa = qsa is not None
         self.layers = nn.ModuleList(
-            Qwen4ExpDecoderLayer(vllm_config, first + i, f"{prefix}.layers.{first + i}", self.use_qsa, ATTENTION_LAYER_TYPE)
+            Qwen4ExpDecoderLayer(vllm_config, first + i, f"{prefix}.layers.{first + i}", qsa, ATTENTION_LAYER_TYPE)
             for i in range(getattr(config, "mtp_num_hidden_layers", 1))
         )
         self.hyper_connection_mixer = GatedResidual(config, prefix=f"{prefix}.hyper_connection_mixer", use_combine=False)

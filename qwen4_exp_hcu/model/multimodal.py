@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal, SupportsPP
 from vllm.model_executor.models.qwen3_vl import (
     Qwen3_VisionTransformer,
     Qwen3VLDummyInputsBuilder,
@@ -36,7 +36,7 @@ class Qwen4ExpProcessingInfo(Qwen3VLProcessingInfo):
 @MULTIMODAL_REGISTRY.register_processor(
     Qwen3VLMultiModalProcessor, info=Qwen4ExpProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
-class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, HasInnerState, IsHybrid):
+class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, HasInnerState, IsHybrid, SupportsPP):
     requires_raw_input_tokens = True  # PLE hashes token ids, image placeholders included
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_prefix={
@@ -61,6 +61,7 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
             )
         with self._mark_language_model(vllm_config):
             self.language_model = Qwen4ExpForCausalLM(vllm_config=vllm_config, prefix=_join(prefix, "language_model"))
+        self.make_empty_intermediate_tensors = self.language_model.make_empty_intermediate_tensors
 
     def embed_multimodal(self, **kwargs: object) -> tuple[torch.Tensor, ...]:
         """One embedding tensor per image or video, in the order vLLM passes them."""
@@ -80,7 +81,7 @@ class Qwen4ExpForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
     def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
         return self.language_model.get_mtp_target_hidden_states()
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

