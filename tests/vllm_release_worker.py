@@ -102,7 +102,9 @@ def main(argv: list[str]) -> None:
 
     checkpoints, out, *names = argv
     initialize_distributed()
-    results = {"vllm": vllm.__version__, "torch": torch.__version__, "cases": {}}
+    from qwen4_exp_hcu.env import vision_available
+
+    results = {"vllm": vllm.__version__, "torch": torch.__version__, "vision": vision_available(), "cases": {}}
     for name in names or CASES:
         directory, engine_args = CASES[name]
         results["cases"][name] = run_case(Path(checkpoints) / directory, engine_args, name == "long_context")
