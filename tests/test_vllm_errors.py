@@ -345,3 +345,16 @@ def test_failed_engine_start_ends_with_its_root_cause(failed_start):
     assert any("Engine core initialization failed" in line for line in lines[:-1]), output[-3000:]
     assert re.search(r"Root cause.*ValueError: .*shard_0\.weight_scale is missing from the checkpoint", lines[-1]), lines[-1]
     assert not list(Path(tempfile.gettempdir()).glob(f"qwen4_exp_hcu-start-{run.pid}-*")), "report file left behind"
+
+
+def test_disk_offload_is_refused_naming_the_file_tier():
+    """vLLM 0.34's `--engram-config.disk_offload` is its own class's disk tier: refused while vLLM builds its config,
+    naming the setting that reads rows from the files here. Releases without the field have nothing to refuse."""
+    from types import SimpleNamespace
+
+    from qwen4_exp_hcu.vllm_plugin import check_engram
+
+    with pytest.raises(ValueError, match=r"--engram-config\.disk_offload .*qwen4_exp_hcu\.host_table_gib"):
+        check_engram(SimpleNamespace(engram_config=SimpleNamespace(disk_offload=True)))
+    for engram in (SimpleNamespace(disk_offload=False), SimpleNamespace(cpu_offload=True), None):
+        check_engram(SimpleNamespace(engram_config=engram))

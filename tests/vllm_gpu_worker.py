@@ -85,6 +85,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from qwen4_exp_hcu.model.model import ple_storage_report
+    from qwen4_exp_hcu.model.vllm_api import breakable_cudagraphs
 
     t0 = time.monotonic()
     llm = LLM(
@@ -116,7 +117,7 @@ def main() -> None:
         "fault": args.fault,
         "rows_fault": args.rows_fault,
         "emulate_precision_casts": args.emulate_precision_casts,
-        "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1",
+        "breakable": breakable_cudagraphs(llm.llm_engine.vllm_config),
         "cudagraph_mode": str(config.cudagraph_mode.name),
         "compilation_mode": str(config.mode.name),
         "startup_s": round(startup_s, 1),
