@@ -48,10 +48,10 @@ def vision_available() -> bool:
     return importlib.util.find_spec("torchvision") is not None
 
 
-def our_architectures() -> dict[str, str]:
-    """Architecture name → this package's class (`module:Class`) under the current environment. Without
-    torchvision, multimodal checkpoints are served by the text class (text prompts only)."""
-    if override_disabled():
+def our_architectures(keep_vllm_classes: bool) -> dict[str, str]:
+    """Architecture name → this package's class (`module:Class`): only the alias with `keep_vllm_classes`.
+    Without torchvision, multimodal checkpoints are served by the text class (text prompts only)."""
+    if keep_vllm_classes:
         return {ALIAS: TEXT_CLASS}
     ours = {ALIAS: TEXT_CLASS, **ARCHITECTURES}
     if not vision_available():

@@ -5,7 +5,8 @@ config, long before a model exists, and the model reads the values through the s
 from typing import NamedTuple
 
 SETTINGS_KEY = "qwen4_exp_hcu"
-SETTINGS = ("hot_rows_gib", "hot_rows_calibration", "host_table_gib", "host_table_calibration")
+SETTINGS = ("hot_rows_gib", "hot_rows_calibration", "host_table_gib", "host_table_calibration",
+            *(ENGRAM := ("cpu_offload", "dp_shared_memory", "use_thp")))  # fmt: skip
 WHERE = f"--additional-config.{SETTINGS_KEY}"
 
 
@@ -14,6 +15,11 @@ class PluginSettings(NamedTuple):
     hot_rows_calibration: str | None  # its calibration tokens (None: it follows served traffic)
     host_table_gib: float  # host bytes per rank for resident PLE rows; the rest stay in the files (0 = off)
     host_table_calibration: str | None  # the resident rows' calibration tokens (None: they follow traffic)
+    # `--engram-config`'s storage settings of the same names, on every release (they win where both are set;
+    # vLLM before 0.30 parses no `--engram-config`). None: vLLM's value, or its default.
+    cpu_offload: bool | None
+    dp_shared_memory: bool | None
+    use_thp: bool | None
 
 
 def _gib(settings: dict, name: str) -> float:
@@ -33,6 +39,13 @@ def _calibration(settings: dict, name: str, size: str) -> str | None:
     return value
 
 
+def _flag(settings: dict, name: str) -> bool | None:
+    value = settings.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{WHERE}.{name} must be true or false, got {value!r}.")
+    return value
+
+
 def plugin_settings(additional_config: dict | None) -> PluginSettings:
     """The settings, checked: unknown names and wrong types are errors naming the setting; what depends on the
     model or platform is checked where the model is built. `host_table_gib` > 0 turns on the file tier
@@ -47,5 +60,6 @@ def plugin_settings(additional_config: dict | None) -> PluginSettings:
     out = PluginSettings(
         _gib(settings, "hot_rows_gib"), _calibration(settings, "hot_rows_calibration", "hot_rows_gib"),
         _gib(settings, "host_table_gib"), _calibration(settings, "host_table_calibration", "host_table_gib"),
+        *(_flag(settings, name) for name in ENGRAM),
     )  # fmt: skip
     return out

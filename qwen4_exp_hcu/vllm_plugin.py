@@ -17,23 +17,30 @@ repeats the root cause as the last line (`qwen4_exp_hcu.startup_report`).
 """
 
 import contextlib
+import logging
 import os
 
-from qwen4_exp_hcu.env import TORCH_OPS_ENV, our_architectures
+from qwen4_exp_hcu.env import DISABLE_ENV, TORCH_OPS_ENV, our_architectures, override_disabled
 from qwen4_exp_hcu.settings import plugin_settings
 from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
+
+logger = logging.getLogger("vllm.qwen4_exp_hcu")
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
     from qwen4_exp_hcu.kernels import torch_ops
+    from qwen4_exp_hcu.model.vllm_api import vllm_classes_kept
     from qwen4_exp_hcu.kernels.hyper_connection import configured_launch
 
     watch_engine_process()
     torch_ops()  # an unknown kernel name in QWEN4_EXP_HCU_TORCH_OPS stops here, before any engine starts
     configured_launch()  # as an unknown launch in QWEN4_EXP_HCU_DOWN_SILU
-    for architecture, model_class in sorted(our_architectures().items()):
+    if override_disabled() and not vllm_classes_kept():
+        logger.warning("%s=1 keeps vLLM's own Qwen4Exp classes, but this vLLM release has none: qwen4_exp_hcu's "
+                       "serve Qwen4Exp checkpoints.", DISABLE_ENV)  # fmt: skip
+    for architecture, model_class in sorted(our_architectures(vllm_classes_kept()).items()):
         ModelRegistry.register_model(architecture, model_class)
         check_settings_with_config(architecture)
     # INT8-PLE checkpoints declare their tables in a way vLLM's own quantization parsers reject or ignore.
@@ -64,6 +71,8 @@ def check_settings_with_config(architecture: str) -> None:
                 base.verify_and_update_config(vllm_config)
             plugin_settings(vllm_config.additional_config)  # bad settings fail here, naming them
             check_engram(vllm_config)
+            check_prefix_caching(vllm_config)
+            gdn_state_in_fp32_on_cpu(vllm_config, current_platform.is_cpu())
             check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
             new_engine_start()
 
@@ -81,6 +90,25 @@ def single_stage_view(parallel_config):
         yield
     finally:
         parallel_config.pipeline_parallel_size = stages
+
+
+def check_prefix_caching(vllm_config) -> None:
+    """Prefix caching off (said in the log) where vLLM copies every state of a hybrid model with one set of
+    functions: cached PLE states need their own. Turned off here, before vLLM sizes its cache blocks for it."""
+    from qwen4_exp_hcu.model.vllm_api import state_copies_per_type
+
+    cache, config = vllm_config.cache_config, vllm_config.model_config.hf_text_config
+    if cache.enable_prefix_caching and getattr(config, "ple_layer_ids", None) and not state_copies_per_type():
+        logger.warning("Prefix caching is off: this vLLM release copies every cached state of a hybrid model with "
+                       "one set of functions, and the PLE state needs its own.")  # fmt: skip
+        cache.enable_prefix_caching = False
+
+
+def gdn_state_in_fp32_on_cpu(vllm_config, cpu: bool) -> None:
+    """vLLM's CPU GDN kernels keep their recurrent state in fp32 (`chunk_gated_delta_rule_cpu` refuses another
+    dtype); releases before 0.32 set that only on CPUs with AMX."""
+    if cpu and vllm_config.cache_config.mamba_ssm_cache_dtype == "auto":
+        vllm_config.cache_config.mamba_ssm_cache_dtype = "float32"
 
 
 def check_engram(vllm_config) -> None:

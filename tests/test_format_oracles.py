@@ -138,6 +138,7 @@ def old_fp8(rows, scale):
     return (rows.float() * scale.float().reshape(())).to(torch.bfloat16)
 
 
+@pytest.mark.vllm_qwen4_exp
 @pytest.mark.parametrize("scale", SCALES.values(), ids=SCALES.keys())
 def test_fp8_rows_equal_upstream_dequantize(scale):
     w = finite_e4m3((254, 64), seed=0)  # every finite e4m3 value 64 times
@@ -169,6 +170,7 @@ def fp8_layer(scale: torch.Tensor, seed=0):
     return PLELayer.from_state_dict(cfg, 1, sd, storage=PLEStorage("fp8")), table, spec
 
 
+@pytest.mark.vllm_qwen4_exp
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("scale", SCALES.values(), ids=SCALES.keys())
 def test_fp8_table_lookup_equals_upstream_dequantize(scale, path):

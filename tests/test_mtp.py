@@ -19,7 +19,7 @@ from qwen4_exp_hcu.model.vllm_api import drafter_gets_target_streams
 from qwen4_exp_hcu.tiny import add_mtp_head
 from helpers.vllm_inproc import build_model, engine_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_qwen4_exp]  # vLLM's speculative config drafts Qwen4Exp MTP
 
 SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 2}
 

@@ -217,7 +217,7 @@ def watch_loading(monkeypatch):
     from qwen4_exp_hcu.env import our_architectures
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    module, _, name = our_architectures()["Qwen4ExpForConditionalGeneration"].partition(":")
+    module, _, name = our_architectures(keep_vllm_classes=False)["Qwen4ExpForConditionalGeneration"].partition(":")
     cls = getattr(importlib.import_module(module), name)
     records: list[LoadRecord] = []
     original = cls.load_weights

@@ -30,6 +30,8 @@ from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
+pytestmark = pytest.mark.vllm_qwen4_exp
+
 CENSUS = Path(__file__).resolve().parent / "data" / "census.json"  # a copy of ../shared/official-checkpoint/census.json
 TABLE = "ngram_embedding"  # the table module, relative to `ple_embedding.`
 

@@ -19,6 +19,7 @@ import torch
 
 from helpers.scenarios import EOS
 from helpers.vllm_inproc import build_model, engine_config, load
+from qwen4_exp_hcu.model.vllm_api import has_qwen4_exp
 
 pytestmark = pytest.mark.vllm
 
@@ -154,7 +155,7 @@ def test_pipeline_parallel_passes_the_config_checks(vllm_process, bf16_path, arc
     overrides = {"architectures": [architecture]} if architecture else {}
     config = engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides=overrides)
     assert config.parallel_config.pipeline_parallel_size == 2
-    if architecture is None:  # vLLM's hook for the checkpoint's architecture still runs its other checks
+    if architecture is None and has_qwen4_exp():  # vLLM's own hook for the architecture still runs its other checks
         with pytest.raises(ValueError, match=r"requires hc_count > 1"):
             engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides={"hc_count": 1})
 
@@ -252,15 +253,20 @@ def test_plugin_registration_and_disable_switch(vllm_process):
     multimodal = "qwen4_exp_hcu.model.multimodal" if vision_available() else text  # text prompts only without torchvision
     registered = {a: ModelRegistry.models[a].module_name for a in ARCHITECTURES}
     assert registered == dict(zip(ARCHITECTURES, (text, multimodal, "qwen4_exp_hcu.model.mtp", text)))
-    # A fresh process with the switch on keeps vLLM's own classes; the alias stays ours.
+    # A fresh process with the switch on keeps vLLM's own classes; the alias stays ours. A release without classes
+    # of its own keeps ours, and says so.
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins();"
         f"from vllm import ModelRegistry as R; print(*(R.models[a].module_name for a in {ARCHITECTURES!r}))"
     )
     env = {**os.environ, "QWEN4_EXP_HCU_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    *upstream, alias = out.stdout.split()[-4:]
-    assert all(m.startswith("vllm.") for m in upstream) and alias == text
+    *kept, alias = out.stdout.split()[-4:]
+    if has_qwen4_exp():
+        assert all(m.startswith("vllm.") for m in kept) and alias == text
+    else:
+        assert kept == [text, multimodal, "qwen4_exp_hcu.model.mtp"] and alias == text
+        assert "QWEN4_EXP_HCU_DISABLE=1 keeps vLLM's own Qwen4Exp classes, but this vLLM release has none" in out.stderr + out.stdout
 
 
 def test_dp_shared_memory_falls_back_when_dev_shm_is_too_small(vllm_process, int8_path, monkeypatch):
@@ -301,7 +307,8 @@ def test_hot_row_settings_are_checked_at_startup(vllm_process, int8_path, tmp_pa
     assert settings(hot_rows_gib=1)[1] is None  # no calibration: the cache follows served traffic
     errors = {
         r"unknown setting\(s\) \['hot_rows_rows'\]; the settings are \['hot_rows_gib', 'hot_rows_calibration', 'host_table_gib', "
-        r"'host_table_calibration'\]": dict(hot_rows_rows=3),
+        r"'host_table_calibration', 'cpu_offload', 'dp_shared_memory', 'use_thp'\]": dict(hot_rows_rows=3),
+        r"qwen4_exp_hcu\.use_thp must be true or false, got 'no'": dict(use_thp="no"),
         r"hot_rows_calibration must be the path of a safetensors file": dict(hot_rows_gib=1, hot_rows_calibration=3),
         r"hot_rows_gib must be a number of GiB >= 0": dict(hot_rows_gib=-1),
         r"hot_rows_calibration is set but hot_rows_gib is not": dict(hot_rows_calibration=str(calibration)),
@@ -358,3 +365,50 @@ def test_disk_offload_is_refused_naming_the_file_tier():
         check_engram(SimpleNamespace(engram_config=SimpleNamespace(disk_offload=True)))
     for engram in (SimpleNamespace(disk_offload=False), SimpleNamespace(cpu_offload=True), None):
         check_engram(SimpleNamespace(engram_config=engram))
+
+
+def test_platforms_that_list_their_quantization_methods_accept_ours():
+    """ROCm's and Hygon's HCU platforms list the quantization methods they accept; the name that routes INT8-PLE
+    checkpoints must be on the list, or vLLM refuses them before the model exists."""
+    from vllm.platforms.interface import Platform
+
+    from qwen4_exp_hcu.model.quant import NAME, accept_on
+
+    class Listing(Platform):
+        device_name = "listing"
+        supported_quantization = ["fp8", "compressed-tensors"]
+
+    with pytest.raises(ValueError, match=rf"{NAME} quantization is currently not supported in listing"):
+        Listing.verify_quantization(NAME)
+    accept_on(Listing)
+    Listing.verify_quantization(NAME)
+    assert Platform.supported_quantization == []  # a platform that accepts any method is left as it is
+    accept_on(Platform)
+    assert Platform.supported_quantization == []
+
+
+def test_engram_storage_settings_work_on_every_release(vllm_process, int8_path):
+    """`cpu_offload`, `dp_shared_memory` and `use_thp` under `--additional-config.qwen4_exp_hcu`, for releases that
+    parse no `--engram-config`; where vLLM has one too, the plugin's win."""
+    from qwen4_exp_hcu.model.ple_placement import EngramSettings, engram_settings
+
+    assert engram_settings(engine_config(int8_path)) == EngramSettings()  # vLLM's defaults, or the release has none
+    ours = {"cpu_offload": False, "use_thp": True}
+    config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": ours})
+    assert engram_settings(config) == EngramSettings(cpu_offload=False, use_thp=True)
+
+
+def test_speculation_is_refused_where_vllm_has_no_ple_metadata(monkeypatch):
+    """A release whose short-conv metadata has no speculative fields (ours stands in for vLLM's PLE backend there)
+    cannot verify drafts through PLE layers: refused at init, naming the setting."""
+    from types import SimpleNamespace
+
+    from qwen4_exp_hcu.model import model
+    from qwen4_exp_hcu.tiny import load_config
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=False),
+                             model_config=SimpleNamespace(hf_text_config=load_config()),
+                             speculative_config=SimpleNamespace(method="ngram"))  # fmt: skip
+    monkeypatch.setattr(model, "ple_attention_backend", lambda: model.PLEShortConvBackend)
+    with pytest.raises(ValueError, match=r"--speculative-config: verifying drafts through PLE layers"):
+        model._check_parallel_config(config)

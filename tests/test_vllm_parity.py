@@ -125,6 +125,7 @@ def prefix_errors(tiny, prompt, miss, hit) -> tuple[torch.Tensor, torch.Tensor, 
     return against_reference, repeat_errors(hit.logprobs, miss.logprobs), reference["tokens"]
 
 
+@pytest.mark.prefix_caching
 def test_prefix_cache_hit_restores_ple_state(tiny, engine):
     """A prompt three tokens past one cache block, twice: the second run starts from the cached block's GDN and
     PLE states (vLLM's align-mode prefix caching copies them with our copy functions). Against transformers, and
@@ -135,6 +136,7 @@ def test_prefix_cache_hit_restores_ple_state(tiny, engine):
     assert TINY.holds(against_reference) and REPEAT.holds(hit_vs_miss), (against_reference, hit_vs_miss)
 
 
+@pytest.mark.prefix_caching
 def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
     """PLE windows copied one entry late at the block boundary (`faults.shift_ple_state_restore`; align mode copies
     there in the miss too) must fail the comparison with transformers (measured 0.28 / 0.79), and the hit differs

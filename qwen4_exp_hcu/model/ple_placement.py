@@ -15,7 +15,9 @@ from qwen4_exp_hcu.env import prefetch_enabled
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.formats import FORMATS
 from qwen4_exp_hcu.ple.storage import PLEStorage
-from qwen4_exp_hcu.settings import WHERE, plugin_settings
+from qwen4_exp_hcu.settings import ENGRAM, WHERE, plugin_settings
+
+from .vllm_api import etp_group
 
 logger = init_logger(__name__)
 
@@ -26,36 +28,52 @@ class PLEPlacement:
     (`prefetch`, None with `QWEN4_EXP_HCU_PREFETCH=0`)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        from vllm.distributed import get_etp_group, get_tp_group
+        from vllm.distributed import get_tp_group
         from vllm.platforms import current_platform
         from vllm.utils.platform_utils import is_uva_available
 
         from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
-        engram = getattr(vllm_config, "engram_config", None)
-        # vLLM creates EngramConfig() (cpu_offload=True) for Qwen4ExpForCausalLM; keep that default for
-        # the alias architecture, for which vLLM leaves engram_config unset.
-        cpu_offload = True if engram is None else bool(engram.cpu_offload)
+        engram = engram_settings(vllm_config)
+        cpu_offload = engram.cpu_offload
         dp = vllm_config.parallel_config.data_parallel_size
-        across_dp = engram is not None and bool(engram.embedding_across_dp) and dp > 1
+        across_dp = engram.embedding_across_dp and dp > 1
         device = torch.device(vllm_config.device_config.device)
         check_uva(cpu_offload, device, is_uva_available(), current_platform.device_name)
-        etp = get_etp_group()
+        etp = etp_group()
         storage = PLEStorage(
             format=ple_table_format(vllm_config), device=device, host=cpu_offload,
             etp_group=etp if etp.world_size > 1 else None, across_dp=across_dp,
             replica_group=get_tp_group() if across_dp else None,  # the TP ranks of this DP replica: same tokens
         )  # fmt: skip
         # DP replicas hold the same TP-sharded tables: with dp_shared_memory, one host copy per node
-        share = engram is not None and engram.dp_shared_memory and dp > 1 and cpu_offload and not across_dp
+        share = engram.dp_shared_memory and dp > 1 and cpu_offload and not across_dp
         shared = dp_shared_host(vllm_config, storage) if share else None
         # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
-        huge_pages = engram is not None and bool(engram.use_thp) and cpu_offload and shared is None
+        huge_pages = engram.use_thp and cpu_offload and shared is None
         file_tier, self.file_calibration = file_tier_settings(vllm_config, storage, shared is not None or huge_pages)
         self.storage = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages, file_tier=file_tier)
         self.hot_rows = hot_rows_settings(vllm_config, self.storage)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.prefetch = PrefetchWorkspace([], max_tokens, device) if prefetch_enabled() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramSettings:
+    cpu_offload: bool = True  # vLLM's default for Qwen4Exp; also for the alias architecture, which gets no config
+    embedding_across_dp: bool = False
+    dp_shared_memory: bool = False
+    use_thp: bool = False
+
+
+def engram_settings(vllm_config: VllmConfig) -> EngramSettings:
+    """`--engram-config` where the release parses it, overridden by the plugin's settings of the same names,
+    which every release accepts. `embedding_across_dp` comes from vLLM's only: vLLM sizes its ETP group by it."""
+    engram = getattr(vllm_config, "engram_config", None)
+    values = {f.name: bool(getattr(engram, f.name, f.default)) for f in dataclasses.fields(EngramSettings)}
+    settings = plugin_settings(vllm_config.additional_config)
+    values.update({name: getattr(settings, name) for name in ENGRAM if getattr(settings, name) is not None})
+    return EngramSettings(**values)
 
 
 def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.platforms import current_platform
 
 from qwen4_exp_hcu.env import our_architectures
+
+from .vllm_api import vllm_classes_kept
 
 NAME = "qwen4_exp_hcu_ple_int8"
 
@@ -29,7 +32,7 @@ def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
     another PLE scheme, whatever the main method)."""
     from qwen4_exp_hcu.ple.int8_scheme import declares_int8_tables
 
-    if not our_architectures().keys() & set(getattr(hf_config, "architectures", None) or []):
+    if not our_architectures(vllm_classes_kept()).keys() & set(getattr(hf_config, "architectures", None) or []):
         return False
     return declares_int8_tables(hf_quant_cfg) and hf_quant_cfg.get("quant_method") == "compressed-tensors"
 
@@ -68,3 +71,14 @@ class PLEInt8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         raise NotImplementedError("PLEInt8Config.from_config returns the main model's own config.")
+
+
+def accept_on(platform: type) -> None:
+    """Make `platform` (a vLLM platform class) accept this method where it lists the methods it accepts (ROCm and
+    Hygon's HCU do; an empty list accepts any): the name only routes the checkpoint to the main model's own
+    config, which the platform then checks like any other, and the PLE tables are read by this package's kernels."""
+    if platform.supported_quantization and NAME not in platform.supported_quantization:
+        platform.supported_quantization = [*platform.supported_quantization, NAME]
+
+
+accept_on(type(current_platform))

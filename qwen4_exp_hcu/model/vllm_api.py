@@ -5,16 +5,39 @@ them breaks one function here, which `tests/test_vllm_releases.py` runs against 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.v1.attention.backends.short_conv_attn import (
+    ShortConvAttentionBackend,
+    ShortConvAttentionMetadata,
+    ShortConvAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from qwen4_exp_hcu.env import override_disabled
 
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+QWEN4_EXP_PACKAGE = "vllm.models.qwen4_exp"
+
+
+def has_qwen4_exp() -> bool:
+    """Whether vLLM has its own Qwen4Exp code (its classes, QSA kernels, config hooks)."""
+    return importlib.util.find_spec(QWEN4_EXP_PACKAGE) is not None
+
+
+def vllm_classes_kept() -> bool:
+    """`QWEN4_EXP_HCU_DISABLE=1` where vLLM has Qwen4Exp classes of its own to keep; where it has none, ours
+    serve anyway."""
+    return override_disabled() and has_qwen4_exp()
 
 
 def qsa_attention_builder(vllm_config: VllmConfig) -> Callable[[int, str], nn.Module]:
@@ -23,11 +46,17 @@ def qsa_attention_builder(vllm_config: VllmConfig) -> Callable[[int, str], nn.Mo
     vLLM's own helper) and hands it to every layer it builds: call it once per model."""
     from vllm.platforms import current_platform
 
-    package = f"vllm.models.qwen4_exp.{'amd' if current_platform.is_rocm() else 'nvidia'}"
+    config = vllm_config.model_config.hf_text_config
+    if not has_qwen4_exp():
+        raise ValueError(
+            f"Qwen4Exp attention beyond the QSA budget needs vLLM's own QSA kernels, which this vLLM release does "
+            f"not have: --max-model-len={vllm_config.model_config.max_model_len} > "
+            f"indexer_budget={config.indexer_budget}. Set --max-model-len <= {config.indexer_budget}."
+        )
+    package = f"{QWEN4_EXP_PACKAGE}.{'amd' if current_platform.is_rocm() else 'nvidia'}"
     # `qsa` and `model` import each other; entering through `model` resolves the cycle.
     model = importlib.import_module(f"{package}.model")
     cls = importlib.import_module(f"{package}.qsa").Qwen4ExpQSAAttention
-    config = vllm_config.model_config.hf_text_config
     shared = {}
     if "topk_indices_buffer" in inspect.signature(cls).parameters:
         width = model.get_qsa_topk_buffer_width(config)
@@ -59,3 +88,61 @@ def breakable_cudagraphs(vllm_config: VllmConfig) -> bool:
     config where vLLM keeps it there, otherwise set in the environment while the config is built."""
     resolved = getattr(vllm_config.compilation_config, "use_breakable_cudagraph", None)
     return resolved if resolved is not None else os.environ.get(BREAKABLE_ENV) == "1"
+
+
+def etp_group():
+    """The group a PLE table's rows are split over: vLLM's ETP group (TP, or TP x DP with
+    `--engram-config.embedding_across_dp`) where the release builds one, else its TP group."""
+    import vllm.distributed as distributed
+
+    get_etp_group = getattr(distributed, "get_etp_group", None)
+    return get_etp_group() if get_etp_group is not None else distributed.get_tp_group()
+
+
+def mamba_spec(**fields: Any) -> MambaSpec:
+    """vLLM's `MambaSpec` with the fields this release has: `tp_replicated` (a state every TP rank holds whole)
+    is newer than the spec itself; without it each rank simply keeps its own copy."""
+    known = {f.name for f in dataclasses.fields(MambaSpec)}
+    return MambaSpec(**{name: value for name, value in fields.items() if name in known})
+
+
+def state_copies_per_type() -> bool:
+    """Whether vLLM asks a hybrid model for state copy functions per state type, which prefix caching of the PLE
+    state beside the GDN state needs; releases before that copy every state with one set."""
+    from vllm.model_executor.models.interfaces import IsHybrid
+
+    return hasattr(IsHybrid, "get_mamba_state_copy_funcs")
+
+
+def ple_attention_backend() -> type:
+    """vLLM's PLE short-conv backend, or where the release has only the plain short-conv one, `PLEShortConvBackend`."""
+    module = importlib.import_module(ShortConvAttentionBackend.__module__)
+    return getattr(module, "PleShortConvAttentionBackend", PLEShortConvBackend)
+
+
+@dataclasses.dataclass
+class PLEShortConvMetadata(ShortConvAttentionMetadata):
+    """The plain short-conv metadata plus what `ple_step.pack` reads that it lacks. No speculative fields:
+    releases without vLLM's PLE backend are served without speculative decoding."""
+
+    query_start_loc: torch.Tensor | None = None
+    num_spec_decodes: int = 0
+    spec_sequence_masks: torch.Tensor | None = None
+
+
+class PLEShortConvMetadataBuilder(ShortConvAttentionMetadataBuilder):
+    metadata_cls = PLEShortConvMetadata
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs) -> PLEShortConvMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
+        return dataclasses.replace(metadata, query_start_loc=common_attn_metadata.query_start_loc)
+
+
+class PLEShortConvBackend(ShortConvAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "QWEN4_EXP_HCU_PLE_SHORT_CONV"
+
+    @staticmethod
+    def get_builder_cls() -> type[PLEShortConvMetadataBuilder]:
+        return PLEShortConvMetadataBuilder
