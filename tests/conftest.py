@@ -130,6 +130,9 @@ def slow_starts_first(request, tmp_path_factory):
     yield
 
 
+RELEASE_MARKERS = ("vllm_qwen4_exp", "prefix_caching", "speculative", "engram_config")
+
+
 def _release_lacks() -> dict[str, str]:
     """Marker -> why this vLLM release cannot run the tests it marks (the features are probed, not versions)."""
     from qwen4_exp_hcu.model import vllm_api
@@ -140,13 +143,14 @@ def _release_lacks() -> dict[str, str]:
                            "this vLLM release copies all states of a hybrid model with one set of functions: prefix caching is off"),
         "speculative": (vllm_api.ple_attention_backend() is vllm_api.PLEShortConvBackend,
                         "this vLLM release has no PLE short-conv metadata with speculative fields"),
+        "engram_config": (not vllm_api.parses_engram_config(), "this vLLM release parses no --engram-config"),
     }  # fmt: skip
     return {marker: reason for marker, (lacking, reason) in lacks.items() if lacking}
 
 
 def pytest_collection_modifyitems(config, items):
     n_gpu = torch.cuda.device_count()
-    release = [m for m in ("vllm_qwen4_exp", "prefix_caching", "speculative") if any(m in i.keywords for i in items)]
+    release = [m for m in RELEASE_MARKERS if any(m in i.keywords for i in items)]
     lacks = _release_lacks() if release else {}
     for item in items:
         for marker, reason in lacks.items():

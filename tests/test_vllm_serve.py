@@ -25,7 +25,7 @@ from helpers import engines
 from helpers.references import greedy
 from helpers.scenarios import GPU_ENGINE, WIDE
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engram_config]  # the presets set --engram-config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 EOS = load_config().eos_token_id

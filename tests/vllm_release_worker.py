@@ -103,8 +103,10 @@ def main(argv: list[str]) -> None:
     checkpoints, out, *names = argv
     initialize_distributed()
     from qwen4_exp_hcu.env import vision_available
+    from qwen4_exp_hcu.model.vllm_api import has_qwen4_exp
 
-    results = {"vllm": vllm.__version__, "torch": torch.__version__, "vision": vision_available(), "cases": {}}
+    results = {"vllm": vllm.__version__, "torch": torch.__version__, "vision": vision_available(),
+               "qwen4_exp": has_qwen4_exp(), "cases": {}}  # fmt: skip
     for name in names or CASES:
         directory, engine_args = CASES[name]
         results["cases"][name] = run_case(Path(checkpoints) / directory, engine_args, name == "long_context")

