@@ -93,3 +93,16 @@ def test_bad_config_named(change, match):
         object.__setattr__(cfg, k, v)  # bypass transformers' own validation: configs can arrive from elsewhere
     with pytest.raises(ValueError, match=match):
         NgramHashSpec.from_config(cfg, 0)
+
+
+def test_a_config_without_seed_hashes_with_transformers_default():
+    """vLLM 0.29-0.30's own config class declares no `seed` (releases' config.json carry none): the hash takes
+    transformers' default, as those releases' PLE layers do."""
+    cfg = tiny_text_config()
+    assert cfg.seed == 1234  # transformers' default, which the multipliers below were computed with
+    expected = NgramHashSpec.from_config(cfg, 0).multipliers
+    undeclared = type("ConfigWithoutSeed", (), {k: v for k, v in cfg.to_dict().items() if k != "seed"})()
+    undeclared.layer_types, undeclared.eos_token_id = cfg.layer_types, cfg.eos_token_id
+    assert NgramHashSpec.from_config(undeclared, 0).multipliers == expected
+    cfg.seed = 99
+    assert NgramHashSpec.from_config(cfg, 0).multipliers != expected  # the seed reaches the multipliers

