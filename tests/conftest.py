@@ -19,12 +19,7 @@ else:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--results-dir", default=None, metavar="DIR",
-        help="write the GPU tests' result JSON (etp_2gpu.json, etp_4gpu.json, vllm_gpu_modes.json) into DIR, "
-        "e.g. benchmarks/results; without it nothing is written",
-    )
+pytest_plugins = ("helpers.run_record",)  # --results-dir
 
 
 SHM = Path("/dev/shm")

@@ -1,0 +1,76 @@
+"""The `--results-dir DIR` option (a pytest plugin, loaded by `conftest.py`), and one JSON per pytest run with `--results-dir DIR`: every test's outcome and duration, the command, the commit,
+the vLLM release and the machine (`DIR/suite/<vLLM release>/<time>.json`). Per-test figures stay in the files
+the tests write themselves (e.g. `vllm_gpu_modes.json`).
+
+The GPU machine receives a copy of the working tree without git: there the commit comes from
+`QWEN4_EXP_HCU_COMMIT` (the caller's `git rev-parse HEAD`)."""
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def commit() -> str:
+    if os.environ.get("QWEN4_EXP_HCU_COMMIT"):
+        return os.environ["QWEN4_EXP_HCU_COMMIT"]
+    run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() or "unknown"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--results-dir", default=None, metavar="DIR",
+        help="write the GPU tests' result JSON (etp_2gpu.json, etp_4gpu.json, vllm_gpu_modes.json) into DIR, "
+        "e.g. benchmarks/results, and one record of the run; without it nothing is written",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--results-dir") is not None:
+        config.pluginmanager.register(RunRecord(Path(config.getoption("--results-dir"))), "run_record")
+
+
+class RunRecord:
+    """A pytest plugin: collects the reports, writes the file when the session ends."""
+
+    def __init__(self, results_dir: Path):
+        self.results_dir, self.started, self.tests = results_dir, time.time(), {}
+
+    def pytest_runtest_logreport(self, report):
+        entry = self.tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        entry["seconds"] = round(entry["seconds"] + report.duration, 2)
+        if report.outcome != "passed" and entry["outcome"] == "passed":  # the first phase that did not pass
+            entry["outcome"] = "error" if report.failed and report.when != "call" else report.outcome
+            reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else report.longreprtext
+            entry["message"] = reason[-1500:]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if not self.tests:
+            return
+        import torch
+
+        try:
+            import vllm
+
+            release = vllm.__version__
+        except ImportError:
+            release = "none"
+        machine = {"host": platform.node(), "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
+        counts = {}
+        for t in self.tests.values():
+            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        doc = {"command": "python3 -m pytest " + shlex.join(sys.argv[1:]), "commit": commit(), "vllm": release,
+               "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+               "seconds": round(time.time() - self.started, 1), "exit_status": int(exitstatus), "counts": counts,
+               "tests": self.tests}  # fmt: skip
+        out = self.results_dir / "suite" / release / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(self.started))}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
