@@ -13,15 +13,14 @@ norm, the merged down + injection GEMM, the scaled silu, the up GEMM and the gat
 one Triton launch, over the 324 rows that are not padding; `kernels_down_silu_no_pdl` the same without programmatic dependent launch (`ratio_pdl`: what it
 brings; the kernels use it where the GPU has it, NVIDIA from Hopper). Each timed run goes through `--weights`
 hyper-connections with weights of their own (16 by default: 220 MB, beyond the H200's 50 MB L2, as a decode step's
-97 hyper-connections read theirs from HBM; 1: one weight set replayed from L2, how this benchmark ran until
-2026-12-02) and tile counters of their own (as the model's modules: cold in L2 at each launch; shared until session
-26), reported per hyper-connection.
+97 hyper-connections read theirs from HBM; 1: one weight set replayed from L2) and tile counters of their own (as
+the model's modules: cold in L2 at each launch), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
 NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
 (`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Then the default, the 8 fastest launches,
-CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees; session 27
-served its best at b = 16 as it ranked). Reported: µs per hyper-connection, the ratios torch / kernels, unpadded /
+CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees; serving
+at b = 16 ranks the launches as this does). Reported: µs per hyper-connection, the ratios torch / kernels, unpadded /
 padded and cuBLAS + silu / fused, every variant's outputs' largest difference from torch's, and the sweep's µs per
 config with its best. Writes JSON + PNG into `--out`.
 """
@@ -82,21 +81,17 @@ SWEEP_TOKENS = (1, 4, 16, 32)
 
 
 def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
-    """Around session 12's best (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns, K 128-256).
-    One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024 or 512
-    (16 left 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16 columns): K splits and
-    blocks, 4 warps (8 lost everywhere). Session 26 measured and dropped two more there: 2 / 4 / 6 K blocks in flight
-    (Triton's `num_stages`; vLLM's CuTe kernel keeps 5) came within 0.3 % of the best launch without them and served
-    no faster at b = 16 (947 against 934 us a step), and 10 splits of one 1 024-wide K block (every weight loaded
-    before the wait) took 2.2-2.7x. Split-K touches its counters early (`warm_counter`, the default since session 27:
-    each module's counters are cold at its launch; within noise alone, 1-2 % faster in the block), and two launches
-    also without it, which keeps the difference measured. At every size
-    also `whole_rows` (vLLM's CuTe FMA kernel's scheme, 1-2 columns a program, every weight loaded before the wait;
-    above 4 tokens a program per 4 rows, which lost to split-K by 1.85x at 16 tokens in session 25, and a program
-    holding its weights over every 4 rows in turn by 2.5x, no longer built; the K loop's split 1 with 1-2 columns, its
-    stand-in until session 19, lost to 10 splits by 14-40 % in session 18)."""
+    """The launches around the defaults (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns,
+    K 128-256). One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024
+    or 512 (16 would leave 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16
+    columns): K splits and blocks, 4 warps (8 is slower everywhere). Not swept, being no faster: K blocks in
+    flight (Triton's `num_stages`), and 10 splits of one 1 024-wide K block. Split-K touches its counters early
+    (`warm_counter`, the default: each module's counters are cold at its launch), and two launches also without
+    it, which keeps the difference measured. At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme,
+    1-2 columns a program, every weight loaded before the wait; above 4 tokens a program per 4 rows, slower than
+    split-K there)."""
     whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
-    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # session 25's two best there (ptxas at sm_90a: no spills, a few at 4 columns)
+    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # the two best there (ptxas at sm_90a: no spills, a few at 4 columns)
         whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
@@ -197,8 +192,8 @@ def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
     """µs per hyper-connection with each of `block_candidates`' launches, vLLM's CuTe kernel and cuBLAS + the silu
     in its place, the whole block around it as a decode step runs it (the norm before, the up GEMM and `gate_mix`
     after): the alone sweep replays one kernel back to back, each launch overlapping its own predecessor through
-    dependent launch, and predicted serving poorly (at b = 16 our split-K served at 1.31-1.40x its alone time,
-    CuTe's at 1.12-1.15x, sessions 25-26). Also the default without dependent launch, as CuTe runs above one row."""
+    dependent launch, and predicts serving poorly (at b = 16 our split-K serves at 1.3-1.4x its alone time,
+    CuTe's at 1.1x). Also the default without dependent launch, as CuTe runs above one row."""
     out = {}
     for t in SWEEP_TOKENS:
         streams = torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -228,7 +223,7 @@ GATE_MIX_BLOCKS = (128, 256, 512, 1024)
 
 def gate_mix_sweep(g: torch.Generator, launches: int = 16) -> dict:
     """µs per `gate_mix` launch per column block (one program per block and row: 1 024 gives a token 3 programs;
-    in session 12's b = 1 step it took 2.5 µs a launch where vLLM's class's gate-mix kernel took 1.3)."""
+    vLLM's class's gate-mix kernel is the limit)."""
     out = {}
     for t in SWEEP_TOKENS:
         up, normed = (torch.randn(t, HC * HIDDEN, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))

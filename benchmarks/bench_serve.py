@@ -8,8 +8,8 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_no_pdl   the same, `QWEN4_EXP_HCU_PDL=0` (hyper-connection kernels without programmatic dependent launch)
   host_int8_gemm_down host_int8 with the hyper-connections' down projection through the GEMM library and the silu
                      kernel at every batch (`QWEN4_EXP_HCU_TORCH_OPS=down_silu`), not `down_silu` at 1-16 tokens: where
-                     the fused launch pays in serving (at 32 tokens the GEMM library won in serving, session 23, where
-                     the kernel sweep had the fused launch ahead: the model fuses up to 16 since)
+                     the fused launch pays in serving (at 32 tokens the GEMM library is as fast in serving, though
+                     the kernel sweep has the fused launch ahead: the model fuses up to 16)
   host_int8_down_launch host_int8 with the fused down GEMM's launch that `--down-silu` names (a label of
                      `bench_hyper_connection.py --sweep`, `QWEN4_EXP_HCU_DOWN_SILU`) at every batch it fuses: a sweep's
                      best served before it becomes the default
@@ -29,8 +29,8 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
   host_int8_sync, host_int8_files20_sync  host_int8 and host_int8_files20 with vLLM's async scheduling off: the
                      engine thread waits on the GPU, GIL released, instead of running the next step's Python (tells
                      whether the file tier's host function waits for the GIL)
-  host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (the file tier's
-                     mode until its reads were captured in full graphs; sessions 8-17 measured it beside them)
+  host_int8_piecewise host_int8 with cudagraph_mode PIECEWISE: decode steps are not one graph (what a PLE
+                     read that a full graph cannot capture would cost)
 Reported: decode tokens/s at batch 1/32/256 (`--batches`; after a 64-token prompt, 64 new tokens, from the engine's own
 token timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
 enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
@@ -63,8 +63,7 @@ vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagrap
 step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
 swings on this engine; without torch.compile, as vLLM's default for Qwen4Exp, whose breakable graphs turn it off,
 and no compile at start: at 48 layers breakable engines, which skip it too, started in 134 s, compiled ones in 148-278
-s), `full_decode_only_compiled` (the same with vLLM's torch.compile,
-as the 2026-12-01 release-geometry figures ran), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
+s), `full_decode_only_compiled` (the same with vLLM's torch.compile), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
 the CuTe DSL on the GPU machine (`tests/gpu_cute_dsl.sh`).
 """
 
@@ -179,7 +178,7 @@ def decode_step(outputs) -> float:
     engine core's timestamps of each request's first and last token (`RequestOutput.metrics`, recorded with log
     stats on): the median over requests. Wall clock around the call also held a request's fixed cost (measured on
     the H200: ~170 ms at one sequence, varying run to run), which swung a class's tokens/s by up to 10 %, and a
-    slope between two lengths (session 14) by up to 6 %."""
+    slope between two lengths by up to 6 %."""
     steps = []
     for o in outputs:
         m = o.metrics
@@ -199,7 +198,7 @@ def decode_step(outputs) -> float:
 def prefill_time(outputs) -> float:
     """Seconds from a request's scheduling to its first token, vLLM's own `prefill_time` (engine-core timestamps):
     the median over requests. The wall clock around a one-token call also holds the work before scheduling, 3-6 %
-    of it at 4k and 16k alike on the H200 (session 30); the ±10 % a 4k prefill moves between engines is in both."""
+    of it at 4k and 16k alike on the H200; the ±10 % a 4k prefill moves between engines is in both."""
     times = []
     for o in outputs:
         m = o.metrics
@@ -597,8 +596,8 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
         print("matplotlib missing: draw the PNG later with --plot-only", flush=True)
 
 
-# 48 layers of GDN state per sequence: 8 GiB held about a quarter of b = 256's sequences (4.15x b = 32's kernels
-# per step in session 15's profile), which decoded in waves: sessions 12-15's b = 256 figures at 48 layers
+# 48 layers of GDN state per sequence: 8 GiB holds about a quarter of b = 256's sequences, which then decode in
+# waves (4.15x b = 32's kernels per step in a profile)
 RELEASE_KV_CACHE_BYTES = 48 << 30
 
 

@@ -344,16 +344,11 @@ def gate_mix(
     return mixed, weights
 
 
-# above: cuBLAS's split-K GEMM, its reduction and `scaled_silu`. H200, the release's shape, each hyper-connection its
-# own weights (from HBM, as in serving), session 14's split-K defaults with dependent launch: 1.65x / 1.31x / 1.18x / 1.13x
-# at 1 / 4 / 16 / 32 tokens (1.45x / 1.13x / 1.05x / 1.06x without); in serving, 560 against 802 us per 48-layer step at
-# one token. Whole rows at one token since session 19 (2.11x in session 24), up to 4 since session 24 (1.56x at 4)
-# (benchmarks/results/hyper_connection)
+# `down_silu` against cuBLAS's split-K GEMM, its reduction and `scaled_silu` (each hyper-connection its own weights,
+# from HBM as in serving): ahead at every size up to 32 tokens on the H200 (benchmarks/results/hyper_connection)
 DOWN_SILU_MAX_TOKENS = 32
-SPLIT_16_MAX_TOKENS = 16  # session 27 at 16 rows: 16 splits of K blocks of 128, served in the release-geometry decode
-# step (b = 16, FULL_DECODE_ONLY), took 882 us a step against 940 for 10 of 256 (both touching counters early)
-WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows; with `whole_rows=True` any number, 4 rows a program (sweep: lost
-# to split-K above 4 tokens, 1.85x / 2.86x its time at 16 / 32 tokens in session 25; served at b = 16, 1.39x)
+SPLIT_16_MAX_TOKENS = 16  # 16 splits of K blocks of 128 up to here: fastest in the served decode step at 16 rows
+WHOLE_ROWS_MAX_TOKENS = 4  # the default's whole rows (any number with `whole_rows=True`): slower than split-K above
 WHOLE_ROWS_PER_PROGRAM = 4  # multiply-adds over each row re-read the weights from registers, x from L2 (as CuTe's FMA);
 # all 4 rows' x in registers: 240 registers a thread at 4 warps, no spills (ptxas, sm_90a)
 DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-split launch (2 columns at N = 336: 168)
@@ -363,21 +358,18 @@ DOWN_SILU_TILES = 256  # counters a caller holds: column x row blocks of a K-spl
 class DownSiluConfig:
     """`down_silu`'s split-K launch: programs = column blocks (`block_n` columns; 16 or more for `tl.dot`, from 2 rows)
     x row blocks x `split` K splits (1: no partial sums), each stepping through its K span `block_k` at a time, or
-    whole weight rows. The defaults: the H200 sweep's best at the release's shape, weights beyond L2 (session 13;
-    whole rows at one row from session 19, 0.86x vLLM's CuTe kernel against 0.73x, and up to 4 rows from session 24;
-    split-K's from session 27, timed inside the whole hyper-connection block, whose ranking serving followed where
-    the launch timed alone had not) (benchmarks/results/hyper_connection)."""
+    whole weight rows. The defaults: the H200 sweep's best at the release's shape, weights beyond L2, split-K's timed
+    inside the whole hyper-connection block, whose ranking serving follows where the launch timed alone does not
+    (`benchmarks/bench_hyper_connection.py --sweep`, benchmarks/results/hyper_connection)."""
 
     split: int | None = None  # None: 16 up to SPLIT_16_MAX_TOKENS rows with `tl.dot`, else 10
     block_n: int | None = None  # None: 1 for whole rows, else 4 at one row (multiply-adds), 16 with `tl.dot`
     block_k: int | None = None  # None: with `tl.dot` 128 up to SPLIT_16_MAX_TOKENS rows, 256 above; 1024 without
-    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (session 24's
-    # sweep at 4 rows: 5.52 us with 4 warps, 6.19 with 8)
+    num_warps: int | None = None  # None: 2 at one row, 4 with `tl.dot`; whole rows 2 at one row, 4 from two (8 is slower)
     warm_counter: bool | None = None  # split-K touches its tile's counter before the wait (`_down_silu_kernel`); None:
-    # with `tl.dot` (session 27, in the whole block: 16.22 against 16.37 us at 16 rows, 17.29 against 17.65 at 32)
+    # with `tl.dot`, where it is slightly faster inside the whole block
     whole_rows: bool | None = None  # `_down_silu_rows_kernel` (split, block_k, warm_counter unused);
-    # None: up to WHOLE_ROWS_MAX_TOKENS (session 24's sweep, x in one round trip: 5.52 against 7.13 us for 10 splits
-    # at 4 rows; session 19's kernel, a round trip per block, had lost there: 7.58 against 6.81)
+    # None: up to WHOLE_ROWS_MAX_TOKENS, where reading x in one round trip beats 10 splits
 
     def label(self) -> str:
         """The sweep's name for the launch (`benchmarks/bench_hyper_connection.py`), which `parse` reads back."""

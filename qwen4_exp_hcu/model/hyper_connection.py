@@ -29,9 +29,8 @@ from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
 Pending = tuple[torch.Tensor, torch.Tensor]  # a block's output and its injection weights, not yet injected
-# `down_silu` serves up to 32 tokens; the model fuses up to 16. Served on the H200 at the release's geometry (session 23,
-# FULL_DECODE_ONLY), 32 tokens took 17.55 ms of GPU time a step through the GEMM library and 17.78 through
-# `down_silu`, though the kernel sweep had the fused launch 1.08x ahead there (benchmarks/results/hyper_connection)
+# `down_silu` serves up to 32 tokens; the model fuses up to 16: served at the release's geometry, the GEMM library
+# was as fast at 32 tokens although the kernel timed alone was not (benchmarks/results/hyper_connection)
 FUSED_DOWN_MAX_TOKENS = 16
 
 

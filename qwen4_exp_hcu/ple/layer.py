@@ -42,7 +42,7 @@ def write_window(stored: torch.Tensor, batch: PLEBatch, chunk: torch.Tensor, len
 # the scales a table shard comes with, by its weight's dtype (BF16/F32 and FP8 shards have none)
 _SHARD_PARTS = {getattr(torch, f.weight): {SCALE_SUFFIX} for f in FORMATS.values() if f.row_scale}
 _OLD_LAYOUT = (
-    "qwen4_exp_hcu <= 2026-11 wrote a copy of the table scale per shard; upstream vLLM and the releases keep one "
+    "this checkpoint has a copy of the table scale in every shard; upstream vLLM and the releases keep one "
     "per table (`...ngram_embedding.weight_scale` for FP8, `weight_scale_2` for NVFP4). Re-quantize from the BF16 "
     "checkpoint: python -m qwen4_exp_hcu.quantize BF16_SRC DST --format nvfp4"
 )

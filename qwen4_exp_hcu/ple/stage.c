@@ -1,8 +1,8 @@
 /* The file tier's host work for one lookup (qwen4_exp_hcu/ple/file_rows.py), in C: on an accelerator it runs on
-   the driver's host thread as a host node, and in Python it waited for the GIL (the engine's thread runs Python
-   while the GPU works) on entry and again after every numpy call that let it go: 9.2 ms per call while serving,
-   against 0.2-0.9 ms of work (docs/PERFORMANCE.md, session 20). Here it takes the GIL only for a promotion, every
-   `refresh_every` lookups, through the `promote` callback. The layout of `Stager` is mirrored by `ple.stager`. */
+   the driver's host thread as a host node, while the engine's thread runs Python, so a host function that needs
+   the GIL waits for it (milliseconds a call while serving, against 0.2-0.9 ms of work: docs/PERFORMANCE.md,
+   "PLE rows from files"). This one takes the GIL only for a promotion, every `refresh_every` lookups, through
+   the `promote` callback. The layout of `Stager` is mirrored by `ple.stager`. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
