@@ -32,7 +32,7 @@
 # e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
 # Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
 # QWEN4_EXP_HCU_COMMIT: the commit the results record (the machine gets the tree without git): pass
-#   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite/<vLLM release>/<time>.json.
+#   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
 # GPU_VLLM: the engine's folder (default .gpu-vllm, vLLM 0.33; .gpu-vllm-034 from
 #   VLLM_VERSION=0.34.0 bash ../shared/gpu-vllm/build.sh .gpu-vllm-034 for vLLM 0.34; carry it instead).
 source "${GPU_VLLM:-.gpu-vllm}/setup.sh"

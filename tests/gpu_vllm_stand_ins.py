@@ -173,3 +173,11 @@ if not hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
 if importlib.util.find_spec("flashinfer") is None:
     sys.modules.setdefault("flashinfer.norm", types.ModuleType("flashinfer.norm"))
     sys.modules["flashinfer.norm"].gemma_rmsnorm = gemma_rmsnorm
+
+# vLLM 0.34's warm-up imports MiniMax-M3's MSA kernels on CUDA, whose modules import NVIDIA's CuTe DSL (a dependency
+# of vLLM 0.34 this machine lacks without `gpu_cute_dsl.sh`). Their warm-up returns at once for models without
+# MiniMax-M3's sparse attention, as it does for ours.
+if importlib.util.find_spec("cutlass") is None:
+    _msa = types.ModuleType("vllm.model_executor.warmup.minimax_m3_msa_warmup")
+    _msa.minimax_m3_msa_warmup = lambda worker: None
+    sys.modules.setdefault(_msa.__name__, _msa)

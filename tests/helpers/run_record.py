@@ -1,5 +1,5 @@
 """The `--results-dir DIR` option (a pytest plugin, loaded by `conftest.py`), and one JSON per pytest run with `--results-dir DIR`: every test's outcome and duration, the command, the commit,
-the vLLM release and the machine (`DIR/suite/<vLLM release>/<time>.json`). Per-test figures stay in the files
+the vLLM release and the machine (`DIR/suite_vllm-<release>_<time>.json`). Per-test figures stay in the files
 the tests write themselves (e.g. `vllm_gpu_modes.json`).
 
 The GPU machine receives a copy of the working tree without git: there the commit comes from
@@ -71,6 +71,6 @@ class RunRecord:
                "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
                "seconds": round(time.time() - self.started, 1), "exit_status": int(exitstatus), "counts": counts,
                "tests": self.tests}  # fmt: skip
-        out = self.results_dir / "suite" / release / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(self.started))}.json"
+        out = self.results_dir / f"suite_vllm-{release}_{time.strftime('%Y%m%dT%H%M%S', time.gmtime(self.started))}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
