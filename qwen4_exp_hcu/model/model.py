@@ -244,7 +244,9 @@ class Qwen4ExpModel(nn.Module):
             streams, pending = inject(streams, *pending), None
         if not get_pp_group().is_last_rank:
             no_ids = input_ids is None  # prompt embeddings, only where no stage has PLE layers
-            ids = streams.new_zeros(streams.shape[0], dtype=torch.int64) if no_ids else input_ids
+            # A copy: `input_ids` is a view of the runner's persistent buffer, and vLLM sends intermediate tensors
+            # without blocking, so the buffer may be refilled for the next batch before the send has read it.
+            ids = streams.new_zeros(streams.shape[0], dtype=torch.int64) if no_ids else input_ids.clone()
             return IntermediateTensors({"streams": streams, "input_ids": ids})
         if self.mtp_hidden is not None:
             self.mtp_hidden[: streams.shape[0]].copy_(streams)
