@@ -17,7 +17,7 @@ hyper-connections with weights of their own (16 by default: 220 MB, beyond the H
 the model's modules: cold in L2 at each launch), reported per hyper-connection.
 `--sweep`: `down_silu` alone over launch configs (`DownSiluConfig`: K splits, column and K blocks, warps) at decode
 sizes against cuBLAS + the silu kernel, the same weights, and `gate_mix` over its column block. Where vLLM 0.33 and
-NVIDIA's CuTe DSL are installed (`tests/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
+NVIDIA's CuTe DSL are installed (`tools/gpu_cute_dsl.sh`), the sweep also times vLLM's own class's fused kernel
 (`vllm_cute`, `default_vs_vllm_cute`): the limit `down_silu` is held to. Then the default, the 8 fastest launches,
 CuTe's and cuBLAS + silu again, each inside the whole block (`down_silu_in_block`: what serving sees; serving
 at b = 16 ranks the launches as this does). Reported: µs per hyper-connection, the ratios torch / kernels, unpadded /

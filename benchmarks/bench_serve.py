@@ -64,7 +64,7 @@ step is one graph and wall time tracks GPU time; decode speed ratios belong ther
 swings on this engine; without torch.compile, as vLLM's default for Qwen4Exp, whose breakable graphs turn it off,
 and no compile at start: at 48 layers breakable engines, which skip it too, started in 134 s, compiled ones in 148-278
 s), `full_decode_only_compiled` (the same with vLLM's torch.compile), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
-the CuTe DSL on the GPU machine (`tests/gpu_cute_dsl.sh`).
+the CuTe DSL on the GPU machine (`tools/gpu_cute_dsl.sh`).
 """
 
 from __future__ import annotations

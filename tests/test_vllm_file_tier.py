@@ -58,7 +58,7 @@ def start_engine(path, settings: dict, in_process: bool = True):
     # the engine core in this process (as on the CPU): `generate` hands it every prompt before its first step, so
     # engines batch alike. In its own process it starts on the first prompt to arrive, and the batches (and bf16
     # rounding with them) follow timing: on the H200 a tiered engine, its steps longer, batched the later prompts
-    # otherwise and came out 0.024 apart with every lookup exact (`diagnose_file_tier.py`, tests/README.md)
+    # otherwise and came out 0.024 apart with every lookup exact (`tools/diagnose_file_tier.py`, tests/README.md)
     gpu_env = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", **({engines.MULTIPROCESSING: "0"} if in_process else {})} if gpu else {}
     return engines.start(path, {**SERIALIZE, **gpu_env},  # apply_model ships a function to the worker
                          **{**gpu, **graphs, "additional_config": additional}, dtype="bfloat16", max_model_len=512,

@@ -8,8 +8,8 @@ batch with 1024-token steps, so the long prefills run in chunks beside the short
 step's top-5 logprobs are compared with transformers (fp32, its own QSA indexer) within `helpers.scenarios.LONG`.
 The same engine with dense attention patched in beyond the budget (the fault QSA guards against) must fail it.
 
-    source .gpu-vllm/setup.sh && source tests/gpu_cute_dsl.sh install && python3 -m pytest -s tests/test_vllm_long_context.py
-(vLLM's QSA kernels need the CuTe DSL and FlashAttention 3: `tests/gpu_cute_dsl.sh` brings both to the GPU machine.)
+    source .gpu-vllm/setup.sh && source tools/gpu_cute_dsl.sh install && python3 -m pytest -s tests/test_vllm_long_context.py
+(vLLM's QSA kernels need the CuTe DSL and FlashAttention 3: `tools/gpu_cute_dsl.sh` brings both to the GPU machine.)
 """
 
 import pytest

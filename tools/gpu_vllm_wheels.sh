@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels vLLM 0.33's OpenAI server imports that ../shared/gpu-vllm does not carry (its engine needs none of them).
-# Here (pip works):   bash tests/gpu_vllm_wheels.sh            -> .whl/ (git-ignored: echo /.whl/ >> .git/info/exclude)
+# Here (pip works):   bash tools/gpu_vllm_wheels.sh            -> .whl/ (git-ignored: echo /.whl/ >> .git/info/exclude)
 # On the GPU machine: carry [".gpu-vllm", ".whl"], then
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && source .gpu-vllm/setup.sh
 set -euo pipefail

@@ -29,7 +29,7 @@
 #                                  a first engine start compiles for 2-3 min. Here: mkdir -p .triton-cache && cp
 #                                  /work/.device/N/triton-cache/part.* .triton-cache/ (git-ignored: echo /.triton-cache/
 #                                  >> .git/info/exclude); carry [".gpu-vllm", ".triton-cache"] and every step restores it first
-# e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tests/gpu_session.sh test serve
+# e.g. TESTS="tests/test_short_conv.py" VARS="host_int8 vllm_host_fp8 --profile" bash tools/gpu_session.sh test serve
 # Checkpoints stay under /tmp/bench_serve while the machine is warm; results come back under $OUT.
 # QWEN4_EXP_HCU_COMMIT: the commit the results record (the machine gets the tree without git): pass
 #   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
@@ -41,7 +41,7 @@ if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]
   mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && touch ~/.triton/.restored \
     && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
-[ -d /tmp/dsl-stash ] && source tests/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
+[ -d /tmp/dsl-stash ] && source tools/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
 export TABLE_GB=${TABLE_GB:-13} LAYERS=${LAYERS:-48}
 export W=/tmp/bench_serve/release-${TABLE_GB}gb-${LAYERS}layers-budget2048
 B="--geometry release --table-gb $TABLE_GB --layers $LAYERS --indexer-budget 2048"

@@ -6,7 +6,7 @@ prints the lookups that differ from the whole table's lookup of the same ids, th
 lookup, each engine's eager steps (tokens, `query_start_loc`), and how far each engine's logprobs are from the
 earlier ones'.
 
-    python tests/diagnose_file_tier.py whole all whole      # on a GPU, the core in its own process: VLLM_ENABLE_V1_MULTIPROCESSING=1
+    python tools/diagnose_file_tier.py whole all whole      # on a GPU, the core in its own process: VLLM_ENABLE_V1_MULTIPROCESSING=1
 
 On the CPU add VLLM_DISABLE_COMPILE_CACHE=1: there an engine that compiles the model and one that loads vLLM's cached
 compilation differ in bf16 (0.016-0.045 here, every lookup exact), whatever their tables.
@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():  # as the suite runs (conftest): Triton kernels through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_vllm_file_tier import SERIALIZE, _differences, generate, ple_blocks, start_engine  # noqa: E402
 
 from qwen4_exp_hcu.names import ple_layers  # noqa: E402

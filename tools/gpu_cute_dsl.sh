@@ -4,10 +4,10 @@
 # (~8 MiB), so they travel in two git-ignored folders (echo '/.dsla/' >> .git/info/exclude; the same for /.dslb/),
 # each carried by a call of its own on one warm machine (it is released ~30 s after a call returns: issue them back
 # to back):
-#   here:                 bash tests/gpu_cute_dsl.sh fetch          (~4 min: xz on two cores)
-#   device, call 1:       carry [".dsla"]  bash tests/gpu_cute_dsl.sh stash
-#   device, call 2:       carry [".dslb"]  bash tests/gpu_cute_dsl.sh stash
-#   device, later calls:  source tests/gpu_cute_dsl.sh install   (installs into /tmp/dsl-site once, exports PYTHONPATH;
+#   here:                 bash tools/gpu_cute_dsl.sh fetch          (~4 min: xz on two cores)
+#   device, call 1:       carry [".dsla"]  bash tools/gpu_cute_dsl.sh stash
+#   device, call 2:       carry [".dslb"]  bash tools/gpu_cute_dsl.sh stash
+#   device, later calls:  source tools/gpu_cute_dsl.sh install   (installs into /tmp/dsl-site once, exports PYTHONPATH;
 #                         after `source .gpu-vllm/setup.sh`, which unpacks vLLM's Python code into /tmp/site)
 # The CUDA 13 libs wheel's files, xz-compressed (92 MB as a wheel, 61 MB so), are split: 48 MiB in .dsla, the rest
 # in .dslb. .dslb also holds the other wheels, and
