@@ -1,5 +1,6 @@
-"""The `--results-dir DIR` option (a pytest plugin, loaded by `conftest.py`), and one JSON per pytest run with `--results-dir DIR`: every test's outcome and duration, the command, the commit,
-the vLLM release and the machine (`DIR/suite_vllm-<release>_<time>.json`). Per-test figures stay in the files
+"""The `--results-dir DIR` option (a pytest plugin, loaded by `conftest.py`). With it, each pytest run writes one
+JSON: every test's outcome and duration, the command, the commit, the vLLM release and the machine
+(`DIR/suite_vllm-<release>_<time>.json`). Per-test figures stay in the files
 the tests write themselves (e.g. `vllm_gpu_modes.json`).
 
 The GPU machine receives a copy of the working tree without git: there the commit comes from
@@ -12,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +66,7 @@ class RunRecord:
             release = "none"
         machine = {"host": platform.node(), "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
-        counts = {}
-        for t in self.tests.values():
-            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        counts = dict(Counter(t["outcome"] for t in self.tests.values()))
         doc = {"command": "python3 -m pytest " + shlex.join(sys.argv[1:]), "commit": commit(), "vllm": release,
                "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
                "seconds": round(time.time() - self.started, 1), "exit_status": int(exitstatus), "counts": counts,
