@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.bench_lookup import bench_config, token_streams
-from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier, drop_page_cache
+from benchmarks import drop_page_cache
+from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable

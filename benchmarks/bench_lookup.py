@@ -28,8 +28,8 @@ from triton.testing import do_bench
 from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
-from qwen4_exp_hcu.ple.hot_rows import HotRows
-from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
+from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 

@@ -296,7 +296,7 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     t0 = time.monotonic()
     additional_config = {**base["additional_config"], **engine.get("additional_config", {})}
     if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
-        from qwen4_exp_hcu.ple.file_rows import CheckpointFiles
+        from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles
 
         ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
         additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}
@@ -653,7 +653,7 @@ def main() -> None:
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
-    from qwen4_exp_hcu.ple.file_rows import drop_page_cache  # --cold
+    from benchmarks import drop_page_cache  # --cold
 
     results = {}
     for round_, name in itertools.product(range(1, args.rounds + 1), args.variants):

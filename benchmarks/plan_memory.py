@@ -28,11 +28,18 @@ import argparse
 import json
 from pathlib import Path
 
-from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens, upstream_bytes_per_token
-from qwen4_exp_hcu.ple.file_rows import IO_DTYPES, index_bytes, resident_slots
+from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens
+from qwen4_exp_hcu.ple.tiers.file_rows import IO_DTYPES, index_bytes, resident_slots
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
-from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
+
+
+def upstream_bytes_per_token(world: int, dp: int, num_heads: int, dim: int) -> float:
+    """Upstream vLLM's across-DP combine, per replica token: ids all-gathered over DP, rows all-reduced
+    over the TP x DP group."""
+    row = num_heads * dim * 2
+    return (dp - 1) * num_heads * 8 + 2 * (world - 1) / world * dp * row
 
 
 def load_config(path: str | None, num_ple_layers: int):

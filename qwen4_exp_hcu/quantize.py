@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_SCALE_PART, TABLE_TARGET
-from qwen4_exp_hcu.ple.formats import FORMATS, SAFETENSORS_DTYPES, stored_as
+from qwen4_exp_hcu.ple.formats.rows import FORMATS, SAFETENSORS_DTYPES, stored_as
 
 if TYPE_CHECKING:
     import torch
     from tqdm import tqdm
 
-    from qwen4_exp_hcu.ple.formats import TableFormat
+    from qwen4_exp_hcu.ple.formats.rows import TableFormat
 
 CONFIG = "config.json"
 MODELOPT_CONFIG = "hf_quant_config.json"
@@ -274,8 +274,8 @@ def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
     """SRC's config declaring the tables in `fmt`: a format upstream names (NVFP4) as the text config's
     `ple_embedding_dtype`, upstream's marker; INT8 as our PLE group merged into its quantization config (kept as
     it is otherwise). Earlier FP8 declarations of the tables are removed first."""
-    from qwen4_exp_hcu.ple.declaration import without_fp8_declarations
-    from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
+    from qwen4_exp_hcu.ple.formats.declaration import without_fp8_declarations
+    from qwen4_exp_hcu.ple.formats.int8_scheme import merge_ple_group
 
     config = _read_json(src / CONFIG)
     text = config.get("text_config") or config  # multimodal checkpoints nest the text model's config

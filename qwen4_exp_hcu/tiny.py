@@ -246,7 +246,7 @@ def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from qwen4_exp_hcu.names import SCALE_SUFFIX
-    from qwen4_exp_hcu.ple.int8 import dequantize_rows
+    from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from triton.runtime.jit import native_specialize_impl
 from helpers.releases import census, text_config
 from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, ple_gate, short_conv
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
-from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import FORMATS, PLETable
 from qwen4_exp_hcu.tiny import load_config

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchmarks import bench_host_callback
-from qwen4_exp_hcu.ple import host_call
+from qwen4_exp_hcu.ple.tiers import host_call
 
 
 @pytest.mark.cpu_only

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qwen4_exp_hcu.ple.declaration import declared_table_format, without_fp8_declarations
-from qwen4_exp_hcu.ple.int8_scheme import merge_ple_group
+from qwen4_exp_hcu.ple.formats.declaration import declared_table_format, without_fp8_declarations
+from qwen4_exp_hcu.ple.formats.int8_scheme import merge_ple_group
 
 # a copy of ../shared/official-checkpoint/census.json (public header inventories; see data/census_README.md)
 CENSUS = json.loads((Path(__file__).resolve().parent / "data/census.json").read_text())

@@ -401,7 +401,8 @@ def test_forward_with_no_requests():
 def test_across_dp_moves_at_most_upstreams_bytes():
     """Each token once (1/TP slices) beats upstream's DP gather + all-reduce at every TP x DP <= 8 x 8,
     real head geometry (16 heads x 128)."""
-    from qwen4_exp_hcu.ple.etp import combine_bytes, upstream_bytes_per_token
+    from benchmarks.plan_memory import upstream_bytes_per_token
+    from qwen4_exp_hcu.ple.etp import combine_bytes
 
     for tp in range(1, 9):
         for dp in range(2, 9):

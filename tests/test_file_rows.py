@@ -1,4 +1,4 @@
-"""PLE rows read from the checkpoint's files (`qwen4_exp_hcu.ple.file_rows`): every budget of resident rows
+"""PLE rows read from the checkpoint's files (`qwen4_exp_hcu.ple.tiers.file_rows`): every budget of resident rows
 looks up exactly what the whole table in host memory looks up, on checkpoints from our writer and on the
 census-built release layouts (BF16, FP8, NVFP4); missing and truncated files fail at load, naming the file."""
 
@@ -11,7 +11,7 @@ from helpers.releases import write_release
 
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
-from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
 BUDGETS = (1.0, 0.5, 0.2, 0.05, 0.0)  # share of the table's bytes kept resident
@@ -138,7 +138,7 @@ def test_a_hot_row_cache_in_front_of_the_files_changes_nothing(checkpoints, monk
     the interpreter (on an accelerator `PLETable.enable_hot_rows` builds the same; the next test runs it on the GPU): every lookup equals the whole host table's; the cache holds the files' rows; the pairs it serves are
     neither staged nor counted by the file tier, so host memory keeps the next most read rows."""
     from qwen4_exp_hcu.ple import table as table_module
-    from qwen4_exp_hcu.ple.hot_rows import HotRows
+    from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
 
     monkeypatch.setattr(table_module, "dispatch", lambda launcher, reference, *args, out, options, **kw: launcher(*args, out=out, **kw, **options))
     path = checkpoints["int8"]
@@ -302,7 +302,7 @@ def _synthetic_rows(path, n: int, slots: int, **tier) -> "FileRows":
     """File rows over a one-tensor checkpoint of `n` rows of 4 bytes (row r holds r's low bytes), `slots` resident."""
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.ple.file_rows import FileRows
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileRows
 
     save_file({"model.layers.0.ple.weight": torch.arange(n, dtype=torch.int32).view(torch.int8).view(n, 4)}, path / "model.safetensors")
     buffers = {}
@@ -374,7 +374,7 @@ def test_a_shard_the_files_lack_fails_at_load_naming_it(tmp_path):
     would otherwise read through a null pointer)."""
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.ple.file_rows import FileRows
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileRows
 
     save_file({"model.layers.0.ple.weight": torch.zeros(500, 4, dtype=torch.int8)}, tmp_path / "model.safetensors")
     rows = FileRows(FileTier(CheckpointFiles(tmp_path), 0), 0, 1000, 500, 4, lambda n, keep=0: {"weight": torch.zeros(n, 4, dtype=torch.int8)})
@@ -388,7 +388,7 @@ def test_a_full_list_of_candidates_promotes_early(tmp_path):
     reads more (a long prefill) promotes as the list fills, and counts every row once."""
     import numpy as np
 
-    from qwen4_exp_hcu.ple import file_rows
+    from qwen4_exp_hcu.ple.tiers import file_rows
 
     rows = _synthetic_rows(tmp_path, 1000, 8, refresh_every=1000, staging_rows=256)
     rows._fresh = np.empty(10, dtype=np.int64)  # as `FRESH_ROWS` = 10

@@ -21,7 +21,7 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from helpers.configs import tiny_text_config
 from helpers.layers import ple_state_dict
 from helpers.oracles import bits, finite_e4m3, lookups
-from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, unpack_e2m1
+from qwen4_exp_hcu.ple.formats.rows import dequantize_fp8_rows, unpack_e2m1
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage

@@ -3,7 +3,7 @@ NVFP4 definition, written out by hand."""
 
 import torch
 
-from qwen4_exp_hcu.ple.formats import dequantize_fp8_rows, dequantize_nvfp4_rows, table_format, unpack_e2m1
+from qwen4_exp_hcu.ple.formats.rows import dequantize_fp8_rows, dequantize_nvfp4_rows, table_format, unpack_e2m1
 
 
 def test_e2m1_codes_low_nibble_first():

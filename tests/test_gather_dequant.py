@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
-from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
 from qwen4_exp_hcu.ple.table import gather_dequant_reference
 
 

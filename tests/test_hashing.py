@@ -8,6 +8,7 @@ from helpers.configs import EOS, tiny_text_config
 from helpers.steps import pack, random_prompts
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids_reference
+from qwen4_exp_hcu.names import HASH_BUFFERS
 
 
 def hf_ids(cfg, ple_index, prompts):
@@ -69,13 +70,12 @@ def test_checkpoint_buffers_checked():
     cfg = tiny_text_config()
     spec = NgramHashSpec.from_config(cfg, 0)
     emb = Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 0, 0)
-    spec.check_buffers(emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets)
+    for name in HASH_BUFFERS:
+        spec.check_buffer(name, getattr(emb, name))
     with pytest.raises(ValueError, match="layers.0.ple.ple_embedding.layer_multipliers"):
-        spec.check_buffers(
-            emb.layer_multipliers + 2, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets, "layers.0.ple.ple_embedding."
-        )
+        spec.check_buffer("layer_multipliers", emb.layer_multipliers + 2, "layers.0.ple.ple_embedding.")
     with pytest.raises(ValueError, match="ngram_heads_offsets"):
-        spec.check_buffers(emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets.flip(0))
+        spec.check_buffer("ngram_heads_offsets", emb.ngram_heads_offsets.flip(0))
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from qwen4_exp_hcu.ple import host_call, stager
+from qwen4_exp_hcu.ple.tiers import host_call, stager
 
 
 def test_a_callback_runs_and_a_method_is_held_weakly():

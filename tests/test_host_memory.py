@@ -24,7 +24,7 @@ from helpers.dist import init_process_group, spawn_workers, write_result
 from helpers.layers import ple_state_dict
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
-from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
+from qwen4_exp_hcu.ple.tiers.host_memory import SHM_DIR, SharedHost
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
-from qwen4_exp_hcu.ple.hot_rows import HotRows, load_calibration_tokens
-from qwen4_exp_hcu.ple.int8 import quantize_rows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows, load_calibration_tokens
+from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
 from qwen4_exp_hcu.ple.table import gather_dequant_reference
 
 D = 16

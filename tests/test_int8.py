@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwen4_exp_hcu.names import TABLE_TARGET as PLE_TARGET
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
-from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_quantization_config
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+from qwen4_exp_hcu.ple.formats.int8_scheme import ple_int8_scheme, ple_quantization_config
 
 SHARD = "model.layers.3.ple.ple_embedding.ngram_embedding.shard_0"
 # What the written config declares; HCU configs omit scale_dtype, which gives the same numbers for BF16 tables.

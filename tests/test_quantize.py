@@ -16,8 +16,8 @@ from compressed_tensors.utils.match import match_quantizable_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
-from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_quantization_config
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.formats.int8_scheme import ple_int8_scheme, ple_quantization_config
 from qwen4_exp_hcu.quantize import INDEX, is_ple_table, main
 
 PLE = "model.layers.0.ple.ple_embedding.ngram_embedding"
@@ -303,7 +303,7 @@ def test_nvfp4_output_is_upstreams_layout(tmp_path):
     per table (from the table's largest value); no quantization config is added, the text config
     declares `ple_embedding_dtype: nvfp4`; the rows dequantize to what `quantize_nvfp4_rows` gives and
     stay within NVFP4's error of the source."""
-    from qwen4_exp_hcu.ple.formats import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
+    from qwen4_exp_hcu.ple.formats.rows import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
     from qwen4_exp_hcu.tiny import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16")
@@ -343,7 +343,7 @@ def fp8_release_source(tmp_path: Path, scale: dict) -> Path:
 def test_fp8_release_tables_are_converted_and_redeclared(tmp_path, fmt):
     """The release's one bf16 table scale dequantizes every shard (upstream's bf16 arithmetic); the FP8
     declaration is taken back (`modules_to_not_convert`) and the written format declared instead."""
-    from qwen4_exp_hcu.ple.declaration import declared_table_format
+    from qwen4_exp_hcu.ple.formats.declaration import declared_table_format
 
     scale = torch.tensor([0.0625], dtype=torch.bfloat16)
     src = fp8_release_source(tmp_path, {f"{PLE}.weight_scale": scale})
@@ -359,7 +359,7 @@ def test_fp8_release_tables_are_converted_and_redeclared(tmp_path, fmt):
         q, s = quantize_rows(before[f"{PLE}.shard_0.weight"].to(torch.bfloat16) * scale)
         assert torch.equal(after[f"{PLE}.shard_0.weight"], q) and torch.equal(after[f"{PLE}.shard_0.weight_scale"], s)
     else:
-        from qwen4_exp_hcu.ple.formats import nvfp4_tensor_scale, quantize_nvfp4_rows
+        from qwen4_exp_hcu.ple.formats.rows import nvfp4_tensor_scale, quantize_nvfp4_rows
 
         rows = [before[f"{PLE}.shard_{j}.weight"].to(torch.bfloat16) * scale for j in (0, 1)]
         table_scale = nvfp4_tensor_scale(max(r.float().abs().max().item() for r in rows))

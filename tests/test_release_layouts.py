@@ -36,6 +36,7 @@ import torch
 
 from helpers.releases import LM, RELEASES, census, check_layout, expected_shapes, expected_tensors, read_tensors
 from helpers.releases import text_config, write_cpu_substitute, write_oracle, write_release
+from qwen4_exp_hcu.names import HASH_BUFFERS
 
 EOS = 236  # the release's eos (248044), as far from the top of the shrunk 512-token vocab
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]  # the last is chunked
@@ -132,8 +133,8 @@ def test_ple_hash_buffers_are_right(releases):
     for release, path in releases.items():
         tensors = read_tensors(path)
         shrunk = NgramHashSpec.from_config(text_config(json.loads((path / "config.json").read_text())), 0)
-        buffers = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-        shrunk.check_buffers(*(tensors[f"{LM}layers.1.ple.ple_embedding.{k}"] for k in buffers), where=release)
+        for name in HASH_BUFFERS:
+            shrunk.check_buffer(name, tensors[f"{LM}layers.1.ple.ple_embedding.{name}"], where=release)
 
 
 def test_oracle_and_substitute_hold_the_same_values(releases, tmp_path):

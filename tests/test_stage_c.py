@@ -1,4 +1,4 @@
-"""`ple/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the Python implementation it
+"""`ple/tiers/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the Python implementation it
 replaced): on a checkpoint of several shard files with two parts of different row bytes, an owned range that starts
 inside a shard, unowned ids, hot-row flags, promotions with and without a cap, and staging that grows mid-run, every
 lookup maps ids to the same bytes, and the counts, candidates, promotions and resident slots stay identical.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileRows, FileTier
+from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileRows, FileTier
 
 W_BYTES, S_BYTES = 8, 2
 

@@ -31,7 +31,7 @@ from helpers.configs import EOS, tiny_text_config
 from helpers.layers import make_pair
 from qwen4_exp_hcu.ple import layer as layer_module
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
-from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
 
 pytestmark = pytest.mark.gpu

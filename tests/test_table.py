@@ -8,7 +8,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEm
 
 from helpers.configs import EOS, tiny_text_config
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
@@ -80,7 +80,7 @@ def expected_pages(*nbytes: int) -> str:
 def test_huge_page_table_is_exact_and_on_the_pages_the_kernel_offers(caplog):
     """use_thp: the rows look up exactly, and sit on the pages this machine's settings give (hugetlb,
     THP, or 4 KiB with a warning); the kernel really maps them on 2 MiB pages unless they are 4 KiB."""
-    from qwen4_exp_hcu.ple import host_memory
+    from qwen4_exp_hcu.ple.tiers import host_memory
 
     w = torch.randn(40_000, 64, dtype=torch.bfloat16)  # INT8 rows: 2.4 MiB
     want = expected_pages(w.numel(), 40_000 * 2)  # INT8 rows, bf16 scales
@@ -97,7 +97,7 @@ def test_huge_page_table_is_exact_and_on_the_pages_the_kernel_offers(caplog):
 
 
 def test_huge_pages_fall_back_to_4k_with_a_warning(monkeypatch, tmp_path, caplog):
-    from qwen4_exp_hcu.ple import host_memory
+    from qwen4_exp_hcu.ple.tiers import host_memory
 
     off = tmp_path / "enabled"
     off.write_text("always madvise [never]\n")

@@ -77,7 +77,7 @@ def main() -> None:
 
         scale_table_rows(factor=args.rows_fault)
     if args.mode == "hot_rows":
-        from qwen4_exp_hcu.ple import hot_rows
+        from qwen4_exp_hcu.ple.tiers import hot_rows
 
         hot_rows.REFRESH_EVERY = HOT_ROWS_REFRESH_EVERY
 

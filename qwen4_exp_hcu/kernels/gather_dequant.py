@@ -4,7 +4,7 @@ One pass: each (token, head) reads its row (and scales) straight from wherever t
 dequantizes in fp32 and writes bf16 into the output slice ``out[t, h*d:(h+1)*d]``. The row format is a
 compile-time switch: BF16, INT8 + per-row bf16 scale, FP8 e4m3 + per-table scale (bf16-valued, so the fp32
 product equals upstream's bf16 one), NVFP4 (packed
-e2m1 + e4m3 block scales + fp32 global scale; `qwen4_exp_hcu.ple.formats`). Row ids outside the owned
+e2m1 + e4m3 block scales + fp32 global scale; `qwen4_exp_hcu.ple.formats.rows`). Row ids outside the owned
 range ``[start, start + n_rows)`` write zeros (the ETP combine sums the shards), and masked loads
 guarantee nothing outside the table is ever read. Float8 bytes are decoded with integer ops, so the
 interpreter (CPU) and the GPU agree bit for bit. The format follows the storage dtype.
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen4_exp_hcu.ple.formats import FORMATS, table_format
+from qwen4_exp_hcu.ple.formats.rows import FORMATS, table_format
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 
 from qwen4_exp_hcu.env import prefetch_enabled
 from qwen4_exp_hcu.names import ple_layers
-from qwen4_exp_hcu.ple.formats import FORMATS
+from qwen4_exp_hcu.ple.formats.rows import FORMATS
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.settings import ENGRAM, WHERE, plugin_settings
 
@@ -80,7 +80,7 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
     """(accelerator bytes per PLE layer, calibration tokens or None) of the opt-in hot-row cache, from the plugin
     settings (`qwen4_exp_hcu.settings`, whose names and types vLLM's config hook already checked); here what
     needs the storage and the calibration file."""
-    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
+    from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
     settings = plugin_settings(vllm_config.additional_config)
     gib, calibration = settings.hot_rows_gib, settings.hot_rows_calibration
@@ -103,9 +103,9 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
     host bytes of each PLE layer's resident rows."""
     from qwen4_exp_hcu.ple.etp import looked_up_tokens
-    from qwen4_exp_hcu.ple.file_rows import CheckpointFiles, FileTier
+    from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
     from qwen4_exp_hcu.ple.hashing import ngram_heads
-    from qwen4_exp_hcu.ple.hot_rows import load_calibration_tokens
+    from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
     settings = plugin_settings(vllm_config.additional_config)
     if not settings.host_table_gib:
@@ -166,7 +166,7 @@ def dp_shared_host(vllm_config: VllmConfig, storage: PLEStorage):
 
     from qwen4_exp_hcu.ple.etp import ETPLookup
     from qwen4_exp_hcu.ple.hashing import NgramHashSpec
-    from qwen4_exp_hcu.ple.host_memory import SHM_DIR, SharedHost
+    from qwen4_exp_hcu.ple.tiers.host_memory import SHM_DIR, SharedHost
 
     config = vllm_config.model_config.hf_text_config
     sizing = dataclasses.replace(storage, device="meta", host=False)
@@ -188,7 +188,7 @@ def dp_shared_host(vllm_config: VllmConfig, storage: PLEStorage):
 
 def ple_table_format(vllm_config: VllmConfig) -> str:
     """How the checkpoint declares its PLE tables (`ple.declaration`): INT8, FP8, NVFP4 or BF16."""
-    from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
+    from qwen4_exp_hcu.ple.formats.declaration import declared_table_format, table_names
 
     config = vllm_config.model_config.hf_text_config
     qconfig = getattr(vllm_config.model_config.hf_config, "quantization_config", None)

@@ -30,7 +30,7 @@ NAME = "qwen4_exp_hcu_ple_int8"
 def claims(hf_quant_cfg: dict[str, Any] | None, hf_config: Any) -> bool:
     """A compressed-tensors checkpoint of our model class with a group of INT8 PLE tables (raises for
     another PLE scheme, whatever the main method)."""
-    from qwen4_exp_hcu.ple.int8_scheme import declares_int8_tables
+    from qwen4_exp_hcu.ple.formats.int8_scheme import declares_int8_tables
 
     if not our_architectures(vllm_classes_kept()).keys() & set(getattr(hf_config, "architectures", None) or []):
         return False
@@ -43,7 +43,7 @@ class PLEInt8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
-        from qwen4_exp_hcu.ple.int8_scheme import main_model_config
+        from qwen4_exp_hcu.ple.formats.int8_scheme import main_model_config
 
         main = main_model_config(config)
         return get_quantization_config(main["quant_method"]).from_config(main)

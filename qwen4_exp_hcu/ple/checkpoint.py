@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from qwen4_exp_hcu.names import TEXT_PREFIXES, ple_layers
-from qwen4_exp_hcu.ple.declaration import declared_table_format, table_names
+from qwen4_exp_hcu.ple.formats.declaration import declared_table_format, table_names
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
 

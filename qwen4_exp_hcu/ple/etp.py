@@ -8,7 +8,7 @@ the group (padded to the largest), every rank looks up its rows for all of them,
 each rank the sum for its own slice, and an all-gather within the replica puts the replica's tokens back
 together. Per rank that moves ((W-1)(ids + row) + (TP-1) row) / TP bytes per replica token, against
 (W-1)(ids + row) when every TP rank sends every token (TP times the same ids) and 2(W-1)/W * DP rows + (DP-1)
-ids for upstream vLLM's DP gather + all-reduce (`upstream_bytes_per_token`). Combining happens in bf16
+ids for upstream vLLM's DP gather + all-reduce (`benchmarks/plan_memory.py`). Combining happens in bf16
 after the fused dequant; since exactly one rank owns each row, the sum is exact.
 
 Collectives go through a small group interface (`ple.storage.Group`) that vLLM's `GroupCoordinator` satisfies as is
@@ -74,13 +74,6 @@ def combine_bytes(world: int, across_dp: bool, num_heads: int, dim: int, tokens:
         return 2 * (world - 1) * row * tokens // world
     s = -(-tokens // replica)  # each TP rank's slice
     return (world - 1) * s * (num_heads * 8 + row) + (replica - 1) * s * row
-
-
-def upstream_bytes_per_token(world: int, dp: int, num_heads: int, dim: int) -> float:
-    """Upstream vLLM's across-DP combine, per replica token: ids all-gathered over DP, rows all-reduced
-    over the TP x DP group (for `plan_memory` to compare)."""
-    row = num_heads * dim * 2
-    return (dp - 1) * num_heads * 8 + 2 * (world - 1) / world * dp * row
 
 
 class ETPLookup:

@@ -60,6 +60,11 @@ def ngram_heads(text_config) -> int:
     return (text_config.ngram_size - 1) * text_config.heads_per_ngram
 
 
+def ple_embed_dim(text_config) -> int:
+    """The width of one layer's looked-up row (all heads): `ple_embed_dim`, or the hidden size when unset."""
+    return text_config.ple_embed_dim or text_config.hidden_size
+
+
 def validate_ple_config(text_config) -> None:
     """Reject PLE settings the layer cannot serve, naming the offending setting."""
     ids = list(text_config.ple_layer_ids or [])
@@ -71,7 +76,7 @@ def validate_ple_config(text_config) -> None:
             f"ngram_size must be >= 2 and heads_per_ngram >= 1, got {text_config.ngram_size}, "
             f"{text_config.heads_per_ngram}."
         )
-    embed_dim = text_config.ple_embed_dim or text_config.hidden_size
+    embed_dim = ple_embed_dim(text_config)
     if embed_dim % heads:
         raise ValueError(
             f"ple_embed_dim={embed_dim} is not divisible by the number of n-gram heads "
@@ -129,7 +134,7 @@ class NgramHashSpec:
         half = max(1, ((1 << 63) - 1) // max(text_config.vocab_size, 1) // 2)
         base = getattr(text_config, "seed", DEFAULT_SEED) + _LAYER_STRIDE * ple_layer_index
         mults = tuple(2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(n))
-        embed_dim = text_config.ple_embed_dim or text_config.hidden_size
+        embed_dim = ple_embed_dim(text_config)
         return cls(n, per, eos_id(text_config), embed_dim // heads, mults, sizes, offsets, rows)
 
     def check_buffer(self, name: str, stored, where: str = "") -> None:
@@ -145,11 +150,6 @@ class NgramHashSpec:
                 f"checkpoint buffer {where}{name} = {list(got)[:8]} disagrees with the config "
                 f"(expected {list(expected)[:8]}): ngram/seed/vocab settings do not match the checkpoint."
             )
-
-    def check_buffers(self, layer_multipliers, ngram_heads_vocab_sizes, ngram_heads_offsets, where: str = "") -> None:
-        self.check_buffer("layer_multipliers", layer_multipliers, where)
-        self.check_buffer("ngram_heads_vocab_sizes", ngram_heads_vocab_sizes, where)
-        self.check_buffer("ngram_heads_offsets", ngram_heads_offsets, where)
 
     def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(multipliers [N], head sizes [H], head offsets [H]) as int64 tensors on `device`."""

@@ -17,9 +17,9 @@ from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD,
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import ETPLookup
-from qwen4_exp_hcu.ple.formats import FORMATS
+from qwen4_exp_hcu.ple.formats.rows import FORMATS
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
-from qwen4_exp_hcu.ple.hot_rows import HotRows
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from qwen4_exp_hcu.ple.file_rows import FileTier
-    from qwen4_exp_hcu.ple.host_memory import SharedHost
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
+    from qwen4_exp_hcu.ple.tiers.host_memory import SharedHost
 
 
 class Group(Protocol):

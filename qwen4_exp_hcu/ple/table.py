@@ -12,11 +12,11 @@ import torch
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
-from qwen4_exp_hcu.ple.file_rows import FileRows
-from qwen4_exp_hcu.ple.formats import FORMATS, TableFormat, stored_as
-from qwen4_exp_hcu.ple.host_memory import huge_page_empty, pinned_empty
-from qwen4_exp_hcu.ple.hot_rows import HotRows
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+from qwen4_exp_hcu.ple.tiers.file_rows import FileRows
+from qwen4_exp_hcu.ple.formats.rows import FORMATS, TableFormat, stored_as
+from qwen4_exp_hcu.ple.tiers.host_memory import huge_page_empty, pinned_empty
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
 

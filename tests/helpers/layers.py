@@ -4,7 +4,7 @@ import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer
 
 from qwen4_exp_hcu.names import HASH_BUFFERS, LAYER_PARAMS, SCALE_SUFFIX, SHARD, TABLE, ple_layers
-from qwen4_exp_hcu.ple.int8 import dequantize_rows, quantize_rows
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.storage import PLEStorage
 

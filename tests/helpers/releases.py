@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen4_exp_hcu.ple.formats import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
+from qwen4_exp_hcu.ple.formats.rows import dequantize_nvfp4_rows, nvfp4_tensor_scale, quantize_nvfp4_rows
 from qwen4_exp_hcu.tiny import IMAGE_PIXELS, build_tokenizer, randomize_
 
 CENSUS = Path(__file__).resolve().parents[1] / "data" / "census.json"

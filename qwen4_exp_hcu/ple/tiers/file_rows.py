@@ -7,7 +7,7 @@ buffer that holds the resident rows followed by the staging area. The bytes are 
 are exact. Accelerators that read pageable host memory directly could skip the staging copy, but the H200
 this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
 takes the host gather. On an accelerator it runs in the stream's order on the driver's host thread
-(`ple.host_call`): the ids go to pinned memory, the host function (C, `ple/stage.c`: it needs no GIL) stages
+(`ple.host_call`): the ids go to pinned memory, the host function (C, `ple/tiers/stage.c`: it needs no GIL) stages
 the rows and writes the remapped ids to pinned memory, and they go back, all queued without a host sync. CUDA
 graphs capture it as a host node, so it runs in full decode graphs too, and the lookup overlaps the previous
 decoder layer.
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qwen4_exp_hcu.ple import stager
-from qwen4_exp_hcu.ple.host_call import HostCallStats, guarded, launch, launcher
+from qwen4_exp_hcu.ple.tiers import stager
+from qwen4_exp_hcu.ple.tiers.host_call import HostCallStats, guarded, launch, launcher
 
 REFRESH_EVERY = 256  # lookups between promotions of the most read rows
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
@@ -146,7 +146,7 @@ class FileRows:
         self.slot_of = np.full(n, -1, dtype=np.int32)  # owned row -> resident slot, -1: in the files
         self.slot_row = np.full(slots, -1, dtype=np.int32)  # resident slot -> owned row (a rank owns < 2**31 rows)
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
-        # the C host function's state (`ple/stage.c`); it counts each lookup's rows, and every `refresh_every`
+        # the C host function's state (`ple/tiers/stage.c`); it counts each lookup's rows, and every `refresh_every`
         # lookups calls `_promote_from_traffic` over the rows counted from zero since (`_fresh`) and those whose
         # count survived the last halving (`_carried`): promotions never scan the table
         self._host_function = stager.host_function()  # built now: no C compiler fails at load
@@ -253,7 +253,7 @@ class FileRows:
         if n > self.staging:
             self._set_buffers(self._resize(self.slots + max(n, 2 * self.staging), self.slots))
         if n > io_rows:
-            from qwen4_exp_hcu.ple.host_memory import pinned_empty
+            from qwen4_exp_hcu.ple.tiers.host_memory import pinned_empty
 
             size = max(n, self.staging)
             empty = pinned_empty if accelerated else lambda shape, dtype: torch.empty(shape, dtype=dtype)
@@ -429,13 +429,3 @@ def resident_slots(resident_bytes: int, rows: int, row_bytes: int) -> int:
     """Rows a table keeps resident in `resident_bytes` (at most all of them)."""
     return max(0, min(rows, resident_bytes // row_bytes))
 
-
-def drop_page_cache(path: str | Path) -> None:
-    """Ask the kernel to forget a file's cached pages (cold-start measurements). Written pages are flushed first:
-    the kernel drops clean pages only, so a file just written would otherwise stay cached."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

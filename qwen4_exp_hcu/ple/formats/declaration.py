@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 
 from qwen4_exp_hcu.names import TABLE, ple_layers
-from qwen4_exp_hcu.ple.formats import FORMATS
-from qwen4_exp_hcu.ple.int8_scheme import ple_int8_scheme, ple_tables_config
+from qwen4_exp_hcu.ple.formats.rows import FORMATS
+from qwen4_exp_hcu.ple.formats.int8_scheme import ple_int8_scheme, ple_tables_config
 
 # how upstream's `ple_embedding_dtype` and ModelOpt's `quant_algo` name our formats
 UPSTREAM_DTYPES = {f.upstream_dtype: name for name, f in FORMATS.items() if f.upstream_dtype}

@@ -146,13 +146,13 @@ def quantize_nvfp4_rows(rows: torch.Tensor, tensor_scale: torch.Tensor) -> tuple
 
 
 def _int8_rows(q: torch.Tensor, scale: torch.Tensor, table_scale=None) -> torch.Tensor:
-    from qwen4_exp_hcu.ple.int8 import dequantize_rows
+    from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows
 
     return dequantize_rows(q, scale)
 
 
 def _int8_quantize(rows: torch.Tensor, table_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    from qwen4_exp_hcu.ple.int8 import quantize_rows
+    from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
 
     return quantize_rows(rows)
 

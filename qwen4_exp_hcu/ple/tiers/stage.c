@@ -1,4 +1,4 @@
-/* The file tier's host work for one lookup (qwen4_exp_hcu/ple/file_rows.py), in C: on an accelerator it runs on
+/* The file tier's host work for one lookup (qwen4_exp_hcu/ple/tiers/file_rows.py), in C: on an accelerator it runs on
    the driver's host thread as a host node, while the engine's thread runs Python, so a host function that needs
    the GIL waits for it (milliseconds a call while serving, against 0.2-0.9 ms of work: docs/PERFORMANCE.md,
    "PLE rows from files"). This one takes the GIL only for a promotion, every `refresh_every` lookups, through

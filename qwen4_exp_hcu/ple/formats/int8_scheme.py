@@ -16,7 +16,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.utils.match import is_match
 
 from qwen4_exp_hcu.names import TABLE, TABLE_TARGET, TEXT_PREFIXES
-from qwen4_exp_hcu.ple.int8 import SCALE_DTYPE
+from qwen4_exp_hcu.ple.formats.int8 import SCALE_DTYPE
 
 # Formats whose on-disk layout is exactly `weight` int8 + `weight_scale` (same compressor class).
 _ROW_FORMATS = (CompressionFormat.int_quantized.value, CompressionFormat.naive_quantized.value)

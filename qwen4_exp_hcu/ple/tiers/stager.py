@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from qwen4_exp_hcu.env import CACHE_ENV
-from qwen4_exp_hcu.ple.host_call import CALLBACK
+from qwen4_exp_hcu.ple.tiers.host_call import CALLBACK
 
 SOURCE = Path(__file__).with_name("stage.c")
 
