@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so a red CI run is reproduced by rerunning it; a failure
+# prints its example and the blob `@reproduce_failure` takes. HYPOTHESIS_PROFILE=explore draws new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Triton kernels run on the CPU through the interpreter; must be set before triton is imported.
 if not torch.cuda.is_available():

@@ -5,15 +5,21 @@ fixture. It runs the TP preset at TP=2 where the machine has two GPUs, or (vllm-
 PLE table is split by rows over vLLM's ETP (= TP) group and the lookups are summed by an all-reduce; on
 one GPU it runs at TP=1 in vLLM's default graph mode.
 Completions are requested with prompt token ids and must return transformers' greedy tokens and
-log-probabilities (transformers running the dequantized tables).
+log-probabilities (transformers running the dequantized tables). Then a few seconds of load as clients make it:
+streams at concurrency 4, one in ten closed by its client mid-generation, and invalid requests among them. Each
+invalid request must get vLLM's 400 with its reason, the closed streams must leave no request behind, and the
+fixed greedy requests must then give the tokens they gave on the fresh server.
 """
 
 import json
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,15 +29,17 @@ import torch
 from qwen4_exp_hcu.tiny import load_config
 from helpers import engines
 from helpers.references import greedy
-from helpers.scenarios import GPU_ENGINE, WIDE
+from helpers.scenarios import GPU_ENGINE, REPEAT, WIDE, repeat_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engram_config]  # the presets set --engram-config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 EOS = load_config().eos_token_id
+VOCAB = load_config().vocab_size
 PROMPTS = [[5, 17, 300, 42, 7], [100, 101, EOS, 102, 103, 104, EOS, 9], list(range(20, 60))]
 MAX_NEW_TOKENS = 32
 STARTUP_TIMEOUT_S = 300
+MAX_MODEL_LEN = 256
 SHUTDOWN_TIMEOUT_S = 60  # the server's grace for its engine (vLLM's default, 0, kills it and its workers at once)
 GPUS = torch.cuda.device_count()
 TP = min(GPUS, 2) if GPUS else 2 if (os.cpu_count() or 1) >= 2 else 1
@@ -76,7 +84,7 @@ def server(checkpoint, tmp_path_factory):
         sys.executable, "-c", VLLM_CLI, "serve", str(checkpoint),
         "--config", str(CONFIGS / "serve_int8_offload_tp.yaml"),
         "--tensor-parallel-size", str(TP),  # the preset's TP=4 is for the GPU machine
-        "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
         "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         *(GPU_ARGS if GPUS else []),
     ]  # fmt: skip
@@ -123,29 +131,134 @@ def reference(tiny):
     return greedy(tiny["int8_dequantized"], PROMPTS, MAX_NEW_TOKENS)
 
 
-def test_completion_with_prompt_token_ids_matches_transformers(reference, server):
+@pytest.fixture(scope="module")
+def fresh(server) -> list[dict]:
+    """The greedy completions of PROMPTS through the OpenAI client, on the server before any other request:
+    per prompt its `tokens` and each step's top-5 `{token id: logprob}`."""
     from openai import OpenAI
 
     url, model = server
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-    for prompt, ref in zip(PROMPTS, reference):
-        completion = client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=MAX_NEW_TOKENS,
-            temperature=0.0,
-            logprobs=5,
-            extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
-        )
-        choice = completion.choices[0]
-        assert choice.token_ids == ref["tokens"]
-        errors = [
-            abs(logprob - ref["logprobs"][step, int(token.removeprefix("token_id:"))].item())
-            for step, top in enumerate(choice.logprobs.top_logprobs)
-            for token, logprob in top.items()
-        ]
+    return [completion_of(client.completions.create(model=model, prompt=prompt, **GREEDY)) for prompt in PROMPTS]
+
+
+GREEDY = dict(max_tokens=MAX_NEW_TOKENS, temperature=0.0, logprobs=5,
+              extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})  # fmt: skip
+
+
+def completion_of(completion) -> dict:
+    choice = completion.choices[0]
+    top = [{int(token.removeprefix("token_id:")): lp for token, lp in step.items()} for step in choice.logprobs.top_logprobs]
+    return {"tokens": choice.token_ids, "top": top}
+
+
+def test_completion_with_prompt_token_ids_matches_transformers(reference, fresh):
+    for got, ref in zip(fresh, reference, strict=True):
+        assert got["tokens"] == ref["tokens"]
+        errors = [abs(lp - ref["logprobs"][step, token].item()) for step, top in enumerate(got["top"])
+                  for token, lp in top.items()]  # fmt: skip
         mean = sum(errors) / len(errors)
         assert max(errors) < WIDE.max and mean < WIDE.mean, (max(errors), mean)
+
+
+LOAD_STREAMS = 30
+CONCURRENCY = 4
+CLOSED_EVERY = 10  # one stream in ten is closed by its client after a few tokens
+CLOSED_AFTER_CHUNKS = 3
+# Requests vLLM must refuse with a 400, as (request fields, words of its reason).
+BAD_REQUESTS = {
+    "token id outside the vocabulary": ({"prompt": [5, VOCAB + 7]}, "out of vocabulary"),
+    "negative token id": ({"prompt": [-1, 5]}, "greater than or equal to 0"),
+    "empty prompt": ({"prompt": ""}, "non-empty"),
+    "no prompt": ({"prompt": []}, "at least one prompt"),
+    "prompt longer than max_model_len": ({"prompt": list(range(1, MAX_MODEL_LEN + 40))}, "maximum context length"),
+    "max_tokens 0": ({"max_tokens": 0}, "max_tokens"),
+}
+
+
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int, close_after: int | None) -> dict:
+    """One streamed completion; `close_after` chunks: the client closes the connection there."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks, usage, finish = 0, None, None
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[len(b"data: "):])
+            usage = event.get("usage") or usage
+            finish = next((c["finish_reason"] for c in event["choices"] if c.get("finish_reason")), finish)
+            chunks += 1
+            if chunks == close_after:
+                break  # leaving the block closes the connection mid-generation
+    return {"closed": close_after is not None, "max_tokens": max_tokens, "usage": usage, "finish": finish}
+
+
+def _bad(url: str, model: str, fields: dict) -> requests.Response:
+    return requests.post(f"{url}/v1/completions", json={"model": model, "prompt": [5, 6, 7], "max_tokens": 4, **fields},
+                         timeout=60)  # fmt: skip
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    """One sample of the server's Prometheus metrics."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in the server's metrics")
+
+
+@pytest.fixture(scope="module")
+def load(server, fresh) -> dict:
+    """Streams at `CONCURRENCY` with every `CLOSED_EVERY`-th closed by its client, the bad requests among them;
+    after the fresh greedy completions (`fresh`), so those saw an untouched server."""
+    url, model = server
+    rng = random.Random(3)
+    streams = [([rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 40))], rng.randrange(8, 25),
+                CLOSED_AFTER_CHUNKS if i % CLOSED_EVERY == CLOSED_EVERY - 1 else None) for i in range(LOAD_STREAMS)]  # fmt: skip
+    length_before = _metric(url, "vllm:request_success_total", finished_reason="length")
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        running = [pool.submit(_stream, url, model, *s) for s in streams]
+        bad = {name: pool.submit(_bad, url, model, fields) for name, (fields, _) in BAD_REQUESTS.items()}
+        outcomes = {"streams": [r.result() for r in running], "bad": {k: r.result() for k, r in bad.items()}}
+    deadline = time.monotonic() + 120  # the engine finishes the closed streams' aborts after the clients left
+    while (_metric(url, "vllm:num_requests_running") or _metric(url, "vllm:num_requests_waiting")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    outcomes["left"] = _metric(url, "vllm:num_requests_running") + _metric(url, "vllm:num_requests_waiting")
+    outcomes["length_finished"] = _metric(url, "vllm:request_success_total", finished_reason="length") - length_before
+    return outcomes
+
+
+def test_bad_requests_get_a_400_with_their_reason(load):
+    for name, (_, reason) in BAD_REQUESTS.items():
+        response = load["bad"][name]
+        assert response.status_code == 400, (name, response.status_code, response.text[:300])
+        assert re.search(reason, response.json()["error"]["message"]), (name, response.text[:300])
+
+
+def test_streams_under_load_finish_or_are_closed_by_their_client(load):
+    completed = [s for s in load["streams"] if not s["closed"]]
+    closed = [s for s in load["streams"] if s["closed"]]
+    assert len(closed) == LOAD_STREAMS // CLOSED_EVERY and len(completed) == LOAD_STREAMS - len(closed)
+    for s in completed:
+        assert (s["finish"], s["usage"]["completion_tokens"]) == ("length", s["max_tokens"]), s
+    # Every completed stream finished by length on the engine; no closed one did, and none is left running.
+    assert load["length_finished"] == len(completed)
+    assert load["left"] == 0
+
+
+def test_after_load_the_greedy_requests_match_a_fresh_server(server, fresh, load):
+    from openai import OpenAI
+
+    url, model = server
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    for prompt, before in zip(PROMPTS, fresh, strict=True):
+        after = completion_of(client.completions.create(model=model, prompt=prompt, **GREEDY))
+        assert after["tokens"] == before["tokens"]
+        errors = repeat_errors(after["top"], before["top"])
+        assert REPEAT.holds(errors), (errors.mean().item(), errors.max().item())
 
 
 def test_server_models_endpoint(server):
