@@ -398,6 +398,22 @@ def test_engram_storage_settings_work_on_every_release(vllm_process, int8_path):
     assert engram_settings(config) == EngramSettings(cpu_offload=False, use_thp=True)
 
 
+def test_settings_are_parsed_once_with_the_config(vllm_process, int8_path, monkeypatch):
+    """vLLM's config hook parses the plugin's settings; an engine process gets them with the config (pickled)."""
+    import pickle
+
+    from qwen4_exp_hcu import settings
+
+    config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": {"host_table_gib": 2, "use_thp": True}})
+
+    def parse_again(additional_config):
+        raise AssertionError("the settings were parsed again")
+
+    monkeypatch.setattr(settings, "plugin_settings", parse_again)
+    engine = pickle.loads(pickle.dumps(config))
+    assert settings.engine_settings(engine) == settings.PluginSettings(host_table_gib=2, use_thp=True)
+
+
 def test_speculation_is_refused_where_vllm_has_no_ple_metadata(monkeypatch):
     """A release whose short-conv metadata has no speculative fields (ours stands in for vLLM's PLE backend there)
     cannot verify drafts through PLE layers: refused at init, naming the setting."""

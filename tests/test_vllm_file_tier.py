@@ -196,11 +196,15 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
     from qwen4_exp_hcu.ple.storage import PLEStorage
 
     text = text_config_of(tiny["int8"])
-    config = SimpleNamespace(
-        additional_config={"qwen4_exp_hcu": {"host_table_gib": 1}},
-        model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
-    )
+
+    def engine_config(**settings):
+        return SimpleNamespace(
+            additional_config={"qwen4_exp_hcu": {"host_table_gib": 1, **settings}},
+            model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+        )
+
+    config = engine_config()
     with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
         file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
@@ -213,7 +217,7 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
     tier, _ = file_tier_settings(config, across, False)
     assert tier.staging_rows == 8 * 32 * heads  # across DP: every ETP rank's slice (64 tokens over TP 2) of its replica's
     assert tier.refresh_every > 0  # uncalibrated: the resident rows follow the traffic
-    config.additional_config["qwen4_exp_hcu"]["host_table_calibration"] = str(_calibration(tmp_path))
+    config = engine_config(host_table_calibration=str(_calibration(tmp_path)))
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
     assert tier.refresh_every == 0 and calibration is not None  # calibrated: they stay as calibrated
 
