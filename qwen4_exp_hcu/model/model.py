@@ -118,6 +118,12 @@ def qsa_builder(vllm_config: VllmConfig) -> QSABuilder | None:
     return qsa_attention_builder(vllm_config)
 
 
+def skip_unused_indexer(use_qsa: bool) -> WeightsMapper:
+    """The weights mapper that drops the QSA indexer's tensors when the attention layers are dense (exact within
+    the budget, `qsa_builder`): no layer holds them then (`names.SKIPPED_WITHOUT_QSA`)."""
+    return WeightsMapper(orig_to_new_regex={re.compile(p): None for p in (() if use_qsa else SKIPPED_WITHOUT_QSA)})
+
+
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(
         self, vllm_config: VllmConfig, layer_idx: int, prefix: str, qsa: QSABuilder | None, layer_type: str | None = None,
@@ -312,10 +318,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, Sup
         return self.model.mtp_hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = self.hf_to_vllm_mapper
-        if not self.model.use_qsa:
-            # Dense attention equals QSA within the budget; the indexer weights are not needed.
-            mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
+        mapper = self.hf_to_vllm_mapper | skip_unused_indexer(self.model.use_qsa)
         blocks = self.model.ple_blocks
         per_shard = 1 + (blocks[0].table.format.row_scale is not None) if blocks else 1  # tensors per shard
         # every PLE shard of the checkpoint passes by, those of other pipeline stages' layers too
