@@ -37,7 +37,8 @@ class PluginSettings(BaseModel):
 
     @model_validator(mode="after")
     def _calibrated_only_with_a_size(self) -> "PluginSettings":
-        for calibration, size in (("hot_rows_calibration", "hot_rows_gib"), ("host_table_calibration", "host_table_gib")):
+        pairs = (("hot_rows_calibration", "hot_rows_gib"), ("host_table_calibration", "host_table_gib"))
+        for calibration, size in pairs:
             if getattr(self, calibration) is not None and not getattr(self, size):
                 raise ValueError(f"{WHERE}.{calibration} is set but {size} is not: there is nothing to calibrate.")
         return self

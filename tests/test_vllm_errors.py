@@ -73,8 +73,8 @@ def failed_start(tiny, tmp_path_factory):
 
 
 def test_intact_checkpoints_load(vllm_process, bf16_path, int8_path):
-    assert {t["dtype"] for t in load(bf16_path).ple_storage()} == {"bfloat16"}
-    assert {t["dtype"] for t in load(int8_path).ple_storage()} == {"int8"}
+    assert {t["dtype"] for t in load(bf16_path).ple_table_reports()} == {"bfloat16"}
+    assert {t["dtype"] for t in load(int8_path).ple_table_reports()} == {"int8"}
 
 
 def test_tensors_real_checkpoints_carry_are_skipped_and_unknown_ones_named(vllm_process, int8_path):

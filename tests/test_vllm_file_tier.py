@@ -25,7 +25,7 @@ SERIALIZE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 def ple_blocks(model) -> list:
     """The model's PLE blocks (in a worker: the modules holding a storage and a table)."""
-    return [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
+    return [b for b in model.modules() if hasattr(b, "table_report") and hasattr(b, "table")]
 
 
 def _inspect(path):
@@ -42,7 +42,7 @@ def _inspect(path):
             # after CUDA graphs capture the file tier's buffers, a lookup holds at most its staging area's ids
             chunk = len(ids) if table.file_rows is None else table.file_rows.staging
             live = torch.cat([table.lookup(c.to(table.compute_device)).cpu() for c in ids.split(chunk)])
-            found.append((block.storage()["describe"], torch.equal(live, whole)))
+            found.append((block.table_report()["describe"], torch.equal(live, whole)))
         return found
 
     return inspect
