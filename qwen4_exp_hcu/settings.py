@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SETTINGS_KEY = "qwen4_exp_hcu"
 WHERE = f"--additional-config.{SETTINGS_KEY}"
-ENGRAM = ("cpu_offload", "dp_shared_memory", "use_thp")  # `--engram-config`'s names, which win over vLLM's
+ENGRAM = ("cpu_offload", "dp_shared_memory", "use_thp")  # named as `--engram-config`'s fields; ours win over vLLM's
 
 # Each kind of value with what a bad one is told it must be.
 GiB = Annotated[float, Field(ge=0, allow_inf_nan=False, description="a number of GiB >= 0")]
