@@ -163,7 +163,7 @@ def tensor_bytes(model) -> dict:
     from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
 
     if isinstance(model, Qwen4ExpForCausalLM):
-        for t in model.ple_storage():
+        for t in model.ple_table_reports():
             tables["host" if t["device"] == "cpu" else "gpu"] += t["bytes"]
             described.append(t["describe"])
     else:  # vLLM's own class keeps its tables as parameters or plain tensors: count what is on the host

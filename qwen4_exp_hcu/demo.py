@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # to ask the worker where the tables are
     from vllm import LLM, SamplingParams
 
-    from qwen4_exp_hcu.model.model import ple_storage_report
+    from qwen4_exp_hcu.model.model import report_ple_tables
 
     # 256 tokens fit the tiny config's QSA budget (512): dense attention is exact on CPU.
     llm = LLM(model=str(checkpoint), max_model_len=256, max_num_seqs=len(PROMPTS), seed=0)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        tables = llm.apply_model(ple_storage_report)[0]["now"]
+        tables = llm.apply_model(report_ple_tables)[0]["now"]
     finally:
         # Left to the interpreter's exit, vLLM stops its engine-core process with a 5 s grace period, which that
         # process overruns on a busy machine (it first waits for its worker): force-killed, with warnings.

@@ -9,13 +9,14 @@ in the same file; config.json gains a compressed-tensors PLE group, merged into 
 compressed-tensors `quantization_config` when it has one (kept as it is otherwise). NVFP4: every shard
 becomes packed e2m1 `weight` + e4m3 `weight_scale`, and each table gets ONE fp32
 `...ngram_embedding.weight_scale_2` (from a first pass over its shards), declared by the text config's
-`ple_embedding_dtype: "nvfp4"` as upstream does. A main method that declared the tables FP8 (`fp8`'s
-`modules_to_convert`, ModelOpt's `quantized_layers`) no longer does. Every other tensor is copied byte for byte. Tensors are streamed one at a time (the PLE tables alone are
-~90 GiB in BF16), and the output is built in a temporary folder beside DST and renamed into place only
-when complete. Everything that can be checked without the tensors' data (config, tokenizer, every file's
-header, table dtypes and scales) is checked before that folder is made; a bad input is a one-line error
-naming its file, tensor or setting. torch, transformers and safetensors are imported by the functions that
-use them, so `--help` answers at once.
+`ple_embedding_dtype: "nvfp4"` as upstream does. A main method's FP8 declaration of the tables (`fp8`'s
+`modules_to_convert`, ModelOpt's `quantized_layers`) is removed. Every other tensor is copied byte for byte.
+Tensors are streamed one at a time (the PLE tables alone are ~90 GiB in BF16), and the output is built in a
+temporary folder beside DST and renamed into place only when complete. Everything that can be checked without the
+tensors' data (config, tokenizer, every file's header, table dtypes and scales) is checked before that folder is
+made; a bad input is a one-line error naming its file, tensor or setting. This module plans what becomes of each
+tensor; `checkpoint_folder` reads and writes the folder's files. torch, transformers and safetensors are imported
+by the functions that use them, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -25,31 +26,26 @@ import json
 import math
 import os
 import shutil
-import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qwen4_exp_hcu.checkpoint_folder import (
+    CONFIG, INDEX, MODELOPT_CONFIG, TOKENIZER_FILES, check_config, copy_other_files, has_tokenizer, open_all, read_json,
+    weight_files, write_safetensors,
+)  # fmt: skip
 from qwen4_exp_hcu.names import SCALE_SUFFIX, TABLE_SCALE_PART, TABLE_TARGET
 from qwen4_exp_hcu.ple.formats.rows import FORMATS, SAFETENSORS_DTYPES, stored_as
 
 if TYPE_CHECKING:
     import torch
-    from tqdm import tqdm
 
     from qwen4_exp_hcu.ple.formats.rows import TableFormat
 
-CONFIG = "config.json"
-MODELOPT_CONFIG = "hf_quant_config.json"
-INDEX = "model.safetensors.index.json"
-# Weights in pickle formats would contradict (and could shadow) the quantized safetensors: never copied.
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Any of these lets transformers and vLLM build the checkpoint's tokenizer.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -80,13 +76,6 @@ def _table_of(shard_name: str) -> str:
     return shard_name.rsplit(".shard_", 1)[0]
 
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's storage bytes, so copied tensors stay bit-identical whatever their dtype."""
-    import torch
-
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def _nbytes(name: str, dtype: str, shape: list[int]) -> int:
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"{name}: safetensors dtype {dtype} is not supported by the quantizer")
@@ -100,6 +89,11 @@ class _Entry:
     def __init__(self, name: str, dtype: str, shape: list[int], produce: Callable[[], torch.Tensor], copied=False):
         self.name, self.dtype, self.shape, self.produce, self.copied = name, dtype, shape, produce, copied
         self.nbytes = _nbytes(name, dtype, shape)
+
+
+def _is_table_shard(e: _Entry) -> bool:
+    """A table shard's weight in `target`'s format (what the progress bar counts)."""
+    return not e.copied and is_ple_table(e.name)
 
 
 def _source_rows(f, name: str, source_scales: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -178,98 +172,6 @@ def _plan_file(
     return entries
 
 
-def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None, progress: tqdm) -> None:
-    """Stream tensors into a safetensors file: header from the plan, then each tensor's bytes in turn."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as safetensors itself does
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(blob)))
-        out.write(blob)
-        for e in entries:
-            data = _raw_bytes(e.produce())
-            if data.nbytes != e.nbytes:
-                raise ValueError(f"{e.name}: produced {data.nbytes} bytes, planned {e.nbytes}")
-            out.write(data)
-            if not e.copied and is_ple_table(e.name):
-                progress.update()
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def _weight_files(src: Path) -> tuple[list[str], dict | None]:
-    """Safetensors files to convert (from the index when sharded) and the index itself."""
-    index_path = src / INDEX
-    if index_path.exists():
-        index = _read_json(index_path)
-        if not isinstance(index.get("weight_map"), dict):
-            raise ValueError(f"{index_path}: no weight_map")
-        files = sorted(set(index["weight_map"].values()))
-        missing = [n for n in files if not (src / n).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{INDEX} names files missing from SRC: {missing}")
-        return files, index
-    files = sorted(p.name for p in src.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {src}")
-    return files, None
-
-
-def _check_ple_layers(path: Path, text: dict) -> None:
-    """`ple_layer_ids` (1-based) must name `linear_attention` decoder layers, as transformers requires;
-    checked here by name (transformers' own check does not name the settings) where config.json spells out
-    the layers; transformers' defaults are checked by transformers."""
-    ids, types = text.get("ple_layer_ids") or [], text.get("layer_types") or []
-    count = text.get("num_hidden_layers", len(types) or None)
-    if not isinstance(count, int):
-        return  # transformers' default (or its complaint about the value) applies
-    for layer_id in ids:
-        if not isinstance(layer_id, int) or not 1 <= layer_id <= count:
-            raise ValueError(f"{path}: ple_layer_ids: {layer_id!r} is not a layer in 1..num_hidden_layers ({count})")
-        if layer_id <= len(types) and types[layer_id - 1] != "linear_attention":
-            raise ValueError(
-                f"{path}: ple_layer_ids: layer {layer_id} is {types[layer_id - 1]!r} in layer_types; PLE layers "
-                "must be linear_attention layers"
-            )
-
-
-def _check_config(src: Path) -> None:
-    """SRC's config as transformers (and so vLLM) will read it when serving: a bad one fails now, not after
-    the tables are converted. transformers' validation errors span lines; one is kept."""
-    from transformers import AutoConfig
-
-    path = src / CONFIG
-    config = _read_json(path)
-    _check_ple_layers(path, config.get("text_config") or config)
-    try:
-        AutoConfig.from_pretrained(src)
-    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its strict-dataclass errors)
-        raise ValueError(f"{path}: transformers rejects it: {' '.join(str(e).split())}") from None
-
-
-def _open_all(src: Path, files: list[str], stack: ExitStack) -> list:
-    """Every file opened (safetensors reads the header and checks the file holds all the data it declares):
-    a truncated or corrupt file is an error naming it."""
-    from safetensors import SafetensorError, safe_open
-
-    handles = []
-    for name in files:
-        try:
-            handles.append(stack.enter_context(safe_open(src / name, framework="pt")))
-        except SafetensorError as e:
-            raise ValueError(f"{src / name}: unreadable safetensors file ({e})") from None
-    return handles
-
-
 def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
     """SRC's config declaring the tables in `fmt`: a format upstream names (NVFP4) as the text config's
     `ple_embedding_dtype`, upstream's marker; INT8 as our PLE group merged into its quantization config (kept as
@@ -277,7 +179,7 @@ def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
     from qwen4_exp_hcu.ple.formats.declaration import without_fp8_declarations
     from qwen4_exp_hcu.ple.formats.int8_scheme import merge_ple_group
 
-    config = _read_json(src / CONFIG)
+    config = read_json(src / CONFIG)
     text = config.get("text_config") or config  # multimodal checkpoints nest the text model's config
     if "compression_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise ValueError(f"{src / CONFIG}: put the main model's quantization config at the top level as quantization_config")
@@ -289,25 +191,12 @@ def _load_config(src: Path, fmt: str, tables: list[str]) -> dict:
         return config
     main = config.get("quantization_config")
     if main is None and (src / MODELOPT_CONFIG).is_file():  # ModelOpt <= 0.29 keeps it beside config.json
-        main = _read_json(src / MODELOPT_CONFIG)  # as vLLM reads it when config.json has none
+        main = read_json(src / MODELOPT_CONFIG)  # as vLLM reads it when config.json has none
     try:
         config["quantization_config"] = merge_ple_group(main)
     except ValueError as e:
         raise ValueError(f"{src / CONFIG}: {e}") from None
     return config
-
-
-def _copy_other_files(src: Path, dst: Path, weight_files: list[str]) -> Iterator[str]:
-    """Copy tokenizer and other side files; yields the weight files left out (pickles, unindexed safetensors)."""
-    for p in sorted(src.iterdir()):
-        if p.name in (CONFIG, INDEX, *weight_files) or p.name.startswith("."):
-            continue
-        if p.suffix in _PICKLE_SUFFIXES or p.suffix == ".safetensors":
-            yield p.name
-        elif p.is_dir():
-            shutil.copytree(p, dst / p.name)
-        else:
-            shutil.copy2(p, dst / p.name)
 
 
 def _table_scales(handles, source_scales, target: TableFormat) -> dict[str, torch.Tensor]:
@@ -377,23 +266,28 @@ def _write(src: Path, out: Path, files: list[str], handles, plans: list[list[_En
     """DST's content into `out`: the planned safetensors files, config.json, the index, the side files."""
     from tqdm import tqdm
 
-    shards = sum(not e.copied and is_ple_table(e.name) for plan in plans for e in plan)
+    shards = sum(map(_is_table_shard, (e for plan in plans for e in plan)))
     with tqdm(total=shards, desc="Quantizing PLE shards", unit="shard") as progress:
+
+        def written(e: _Entry) -> None:
+            if _is_table_shard(e):
+                progress.update()
+
         for name, f, entries in zip(files, handles, plans):
-            _write_safetensors(out / name, entries, f.metadata(), progress)
+            write_safetensors(out / name, entries, f.metadata(), written)
     (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if index is not None:
         index["metadata"] = {**index.get("metadata", {}), "total_size": sum(e.nbytes for plan in plans for e in plan)}
         index["weight_map"] = dict(sorted((e.name, name) for name, plan in zip(files, plans) for e in plan))
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    for skipped in _copy_other_files(src, out, files):
+    for skipped in copy_other_files(src, out, files):
         print(f"quantize: not copying weight file {skipped} (pickle, or not in {INDEX})", file=sys.stderr)
 
 
 def _summary(handles, plans: list[list[_Entry]], seconds: float) -> Summary:
     """The tables' bytes: every tensor's, before and after, less those copied as they are."""
     entries = [e for plan in plans for e in plan]
-    shards = [e for e in entries if not e.copied and is_ple_table(e.name)]
+    shards = [e for e in entries if _is_table_shard(e)]
     source = sum(_nbytes(k, h.get_slice(k).get_dtype(), h.get_slice(k).get_shape()) for h in handles for k in h.keys())
     copied = sum(e.nbytes for e in entries if e.copied)
     tables, rows = len({_table_of(e.name) for e in shards}), sum(e.shape[0] for e in shards)
@@ -410,13 +304,13 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fmt: str
         raise FileNotFoundError(f"{src} has no {CONFIG}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"DST {dst} exists and is not an empty folder; refusing to overwrite")
-    files, index = _weight_files(src)
-    _check_config(src)
-    if not any((src / name).is_file() for name in _TOKENIZER_FILES):
-        print(f"quantize: warning: {src} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); serving DST "
+    files, index = weight_files(src)
+    check_config(src)
+    if not has_tokenizer(src):
+        print(f"quantize: warning: {src} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); serving DST "
               "will need one (vLLM's --tokenizer)", file=sys.stderr)  # fmt: skip
     with ExitStack() as stack:
-        handles = _open_all(src, files, stack)
+        handles = open_all(src, files, stack)
         config = _load_config(src, fmt, sorted({_table_of(k) for h in handles for k in h.keys() if is_ple_table(k)}))
         plans = _plan(src, handles, FORMATS[fmt])
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ The classes are registered under the architecture names real checkpoints declare
 keeps vLLM's own classes; the alias is still ours (`qwen4_exp_hcu.env`).
 
 It also registers a quantization method that claims checkpoints declaring INT8 PLE tables, whatever
-quantizes their main model (see `qwen4_exp_hcu.model.quant`), and checks the plugin's settings
+quantizes their main model (see `qwen4_exp_hcu.model.quant`), and parses the plugin's settings
 (`qwen4_exp_hcu.settings`) as soon as vLLM has a config to check them in, and, when an engine process fails,
 repeats the root cause as the last line (`qwen4_exp_hcu.startup_report`).
 """
@@ -21,7 +21,7 @@ import logging
 import os
 
 from qwen4_exp_hcu.env import DISABLE_ENV, TORCH_OPS_ENV, our_architectures, override_disabled
-from qwen4_exp_hcu.settings import plugin_settings
+from qwen4_exp_hcu.settings import engine_settings
 from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
 
 logger = logging.getLogger("vllm.qwen4_exp_hcu")
@@ -48,12 +48,12 @@ def register() -> None:
 
 
 def check_settings_with_config(architecture: str) -> None:
-    """Check the plugin settings where vLLM checks a model's config: `MODELS_CONFIG_MAP[architecture]
+    """Parse and check the plugin settings where vLLM checks a model's config: `MODELS_CONFIG_MAP[architecture]
     .verify_and_update_config(vllm_config)`, which `VllmConfig` runs while it is built (in the process that
     parses the arguments, before any engine process starts or loads weights; `additional_config` is the
-    earliest thing there that holds them). vLLM has no public hook for this: the entry is vLLM's own hook for
-    the architecture, if any, subclassed and still run first. The same moment names the engine's
-    report file."""
+    earliest thing there that holds them); the config keeps them for the model (`settings.engine_settings`).
+    vLLM has no public hook for this: the entry is vLLM's own hook for the architecture, if any, subclassed and
+    still run first. The same moment names the engine's report file."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
     base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
@@ -69,7 +69,7 @@ def check_settings_with_config(architecture: str) -> None:
 
             with single_stage_view(vllm_config.parallel_config):
                 base.verify_and_update_config(vllm_config)
-            plugin_settings(vllm_config.additional_config)  # bad settings fail here, naming them
+            engine_settings(vllm_config)  # parsed once, here: bad settings fail naming them
             check_engram(vllm_config)
             check_prefix_caching(vllm_config)
             gdn_state_in_fp32_on_cpu(vllm_config, current_platform.is_cpu())

@@ -303,7 +303,7 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
         watch_loading[-1].assert_all_consumed()
     try:
         outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
-        tables = {b.storage()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
+        tables = {b.table_report()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
     finally:
         stop(llm)
     assert tables == {"bfloat16" if release == "bf16" else "float8_e4m3fn"}

@@ -321,7 +321,7 @@ class NameRouting:
         cls = self.modules.our.Qwen4ExpForCausalLM
         stub = SimpleNamespace(
             hf_to_vllm_mapper=cls.hf_to_vllm_mapper, model=SimpleNamespace(use_qsa=use_qsa, ple_blocks=[]),
-            config=SimpleNamespace(split_ngram_parts=128, ple_layer_ids=[2]), ple_storage=lambda: [],
+            config=SimpleNamespace(split_ngram_parts=128, ple_layer_ids=[2]), ple_table_reports=lambda: [],
         )  # fmt: skip
         routed = self._one(cls.load_weights, stub, name)
         return None if routed is not None and UNUSED.search(routed) else routed  # what our PLE layers skip

@@ -73,8 +73,8 @@ def failed_start(tiny, tmp_path_factory):
 
 
 def test_intact_checkpoints_load(vllm_process, bf16_path, int8_path):
-    assert {t["dtype"] for t in load(bf16_path).ple_storage()} == {"bfloat16"}
-    assert {t["dtype"] for t in load(int8_path).ple_storage()} == {"int8"}
+    assert {t["dtype"] for t in load(bf16_path).ple_table_reports()} == {"bfloat16"}
+    assert {t["dtype"] for t in load(int8_path).ple_table_reports()} == {"int8"}
 
 
 def test_tensors_real_checkpoints_carry_are_skipped_and_unknown_ones_named(vllm_process, int8_path):
@@ -396,6 +396,22 @@ def test_engram_storage_settings_work_on_every_release(vllm_process, int8_path):
     ours = {"cpu_offload": False, "use_thp": True}
     config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": ours})
     assert engram_settings(config) == EngramSettings(cpu_offload=False, use_thp=True)
+
+
+def test_settings_are_parsed_once_with_the_config(vllm_process, int8_path, monkeypatch):
+    """vLLM's config hook parses the plugin's settings; an engine process gets them with the config (pickled)."""
+    import pickle
+
+    from qwen4_exp_hcu import settings
+
+    config = engine_config(int8_path, additional_config={"qwen4_exp_hcu": {"host_table_gib": 2, "use_thp": True}})
+
+    def parse_again(additional_config):
+        raise AssertionError("the settings were parsed again")
+
+    monkeypatch.setattr(settings, "plugin_settings", parse_again)
+    engine = pickle.loads(pickle.dumps(config))
+    assert settings.engine_settings(engine) == settings.PluginSettings(host_table_gib=2, use_thp=True)
 
 
 def test_speculation_is_refused_where_vllm_has_no_ple_metadata(monkeypatch):

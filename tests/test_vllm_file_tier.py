@@ -25,7 +25,7 @@ SERIALIZE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 def ple_blocks(model) -> list:
     """The model's PLE blocks (in a worker: the modules holding a storage and a table)."""
-    return [b for b in model.modules() if hasattr(b, "storage") and hasattr(b, "table")]
+    return [b for b in model.modules() if hasattr(b, "table_report") and hasattr(b, "table")]
 
 
 def _inspect(path):
@@ -42,7 +42,7 @@ def _inspect(path):
             # after CUDA graphs capture the file tier's buffers, a lookup holds at most its staging area's ids
             chunk = len(ids) if table.file_rows is None else table.file_rows.staging
             live = torch.cat([table.lookup(c.to(table.compute_device)).cpu() for c in ids.split(chunk)])
-            found.append((block.storage()["describe"], torch.equal(live, whole)))
+            found.append((block.table_report()["describe"], torch.equal(live, whole)))
         return found
 
     return inspect
@@ -196,11 +196,15 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
     from qwen4_exp_hcu.ple.storage import PLEStorage
 
     text = text_config_of(tiny["int8"])
-    config = SimpleNamespace(
-        additional_config={"qwen4_exp_hcu": {"host_table_gib": 1}},
-        model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
-    )
+
+    def engine_config(**settings):
+        return SimpleNamespace(
+            additional_config={"qwen4_exp_hcu": {"host_table_gib": 1, **settings}},
+            model_config=SimpleNamespace(model=str(tiny["int8"]), revision=None, hf_text_config=text),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+        )
+
+    config = engine_config()
     with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
         file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
@@ -213,7 +217,7 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
     tier, _ = file_tier_settings(config, across, False)
     assert tier.staging_rows == 8 * 32 * heads  # across DP: every ETP rank's slice (64 tokens over TP 2) of its replica's
     assert tier.refresh_every > 0  # uncalibrated: the resident rows follow the traffic
-    config.additional_config["qwen4_exp_hcu"]["host_table_calibration"] = str(_calibration(tmp_path))
+    config = engine_config(host_table_calibration=str(_calibration(tmp_path)))
     tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
     assert tier.refresh_every == 0 and calibration is not None  # calibrated: they stay as calibrated
 

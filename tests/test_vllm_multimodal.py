@@ -114,7 +114,7 @@ def test_quantizer_keeps_the_architecture_and_our_method_claims_it(checkpoints):
 def test_release_extras_load_and_unknown_tensors_are_named(vllm_process, checkpoints):
     """The fixture's extra tensors load (skipped); a tensor nobody knows still fails, named."""
     model = load(checkpoints["int8"])
-    assert [t["dtype"] for t in model.language_model.ple_storage()] == ["int8", "int8"]
+    assert [t["dtype"] for t in model.language_model.ple_table_reports()] == ["int8", "int8"]
     with pytest.raises(ValueError, match=r"unexpected PLE checkpoint tensor .*layers\.0\.ple\.ple_embedding\.hash_seed"):
         load(checkpoints["int8"], lambda w: w.__setitem__(PLE0 + "hash_seed", torch.zeros(1)))
     with pytest.raises(ValueError, match=r"layers\.0\.mystery"):

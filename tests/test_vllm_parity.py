@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from qwen4_exp_hcu.model.model import ple_storage_report
+from qwen4_exp_hcu.model.model import report_ple_tables
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
 from helpers.faults import break_state_carry, scale_table_rows, shift_ple_state_restore
@@ -157,7 +157,7 @@ def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
 
 def test_ple_tables_stay_where_loaded(tiny, engine):
     """vLLM's post-load processing must not move, copy or unpin the (host-offloaded) PLE tables."""
-    report = engine.get(tiny["bf16"]).apply_model(ple_storage_report)[0]
+    report = engine.get(tiny["bf16"]).apply_model(report_ple_tables)[0]
     at_load, now = report["at_load"], report["now"]
     assert [s["layer"] for s in now] == ["model.layers.0.ple", "model.layers.2.ple"]
     assert now == at_load
@@ -211,5 +211,5 @@ def test_int8_checkpoint_under_torch_compile_matches_dequantized_reference(tiny,
     assert compilation.mode.name == "DYNAMO_TRACE_ONCE" and compilation.backend == "eager"
     outputs = generate(llm, PROMPTS)
     assert_matches_reference(outputs, greedy(tiny["int8_dequantized"], PROMPTS, MAX_NEW_TOKENS, tokens(outputs)))
-    tables = llm.apply_model(ple_storage_report)[0]["now"]
+    tables = llm.apply_model(report_ple_tables)[0]["now"]
     assert {t["dtype"] for t in tables} == {"int8"}

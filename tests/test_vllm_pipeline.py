@@ -52,7 +52,7 @@ def serve(path, tp: int, out: Path) -> tuple[list, list[list[dict]]]:
 def main(path: str, tp: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from qwen4_exp_hcu.model.model import ple_storage_report
+    from qwen4_exp_hcu.model.model import report_ple_tables
 
     llm = LLM(model=path, pipeline_parallel_size=STAGES, tensor_parallel_size=int(tp), distributed_executor_backend="mp",
               dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0,
@@ -62,7 +62,7 @@ def main(path: str, tp: str, out: str) -> None:
     result = {
         "outputs": [{"tokens": list(o.token_ids), "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs]}
                     for o in outputs],
-        "tables": [rank["now"] for rank in llm.apply_model(ple_storage_report)],
+        "tables": [rank["now"] for rank in llm.apply_model(report_ple_tables)],
     }  # fmt: skip
     Path(out).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()

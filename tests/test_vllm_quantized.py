@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from helpers.checkpoints import quantize_main
 from helpers.references import greedy
 from helpers.scenarios import MAX_NEW_TOKENS, PROMPTS, WIDE, logprob_errors
-from qwen4_exp_hcu.model.model import ple_storage_report
+from qwen4_exp_hcu.model.model import report_ple_tables
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint
 from test_vllm_parity import generate, start_engine, stop_engine, tokens
@@ -62,7 +62,7 @@ def layer_methods(model) -> dict:
         "qkv": type(qkv.quant_method).__name__,
         "qkv_scheme": type(getattr(qkv, "scheme", None)).__name__,
         "in_proj": type(model.model.layers[0].linear_attn.in_proj_qkvz.quant_method).__name__,
-        "ple_dtypes": sorted({b.storage()["dtype"] for b in model.model.ple_blocks}),
+        "ple_dtypes": sorted({b.table_report()["dtype"] for b in model.model.ple_blocks}),
     }
 
 
@@ -120,7 +120,7 @@ def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tiny, tmp_path_f
     served = upstream_table_checkpoints(tiny["bf16"], root / fmt, root / "oracle", fmt, scale_dtype)
     llm = start_engine(served)
     try:
-        tables = llm.apply_model(ple_storage_report)[0]["now"]
+        tables = llm.apply_model(report_ple_tables)[0]["now"]
         outputs = generate(llm, PROMPTS)
     finally:
         stop_engine(llm)

@@ -84,7 +84,7 @@ def main() -> None:
     from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PROMPTS, prefix_prompt
     from vllm import LLM, SamplingParams
 
-    from qwen4_exp_hcu.model.model import ple_storage_report
+    from qwen4_exp_hcu.model.model import report_ple_tables
     from qwen4_exp_hcu.model.vllm_api import breakable_cudagraphs
 
     t0 = time.monotonic()
@@ -125,7 +125,7 @@ def main() -> None:
         "concurrent": run(PROMPTS),
         "block_size": block_size,
         "prefix_cache": [run([prefix_prompt(block_size)], 8)[0] for _ in range(2)],
-        "tables": llm.apply_model(ple_storage_report)[0]["now"],
+        "tables": llm.apply_model(report_ple_tables)[0]["now"],
     }
     with open(args.out, "w") as f:
         json.dump(result, f)

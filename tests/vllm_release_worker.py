@@ -92,7 +92,7 @@ def run_case(path: Path, engine_args: dict, long_context: bool) -> dict:
         "seconds": round(time.perf_counter() - start, 2),
         "class": type(model).__name__,
         "attention": sorted(set(attention)),
-        "ple_tables": [{k: t[k] for k in ("layer", "device", "dtype", "rows", "bytes")} for t in text.ple_storage()],
+        "ple_tables": [{k: t[k] for k in ("layer", "device", "dtype", "rows", "bytes")} for t in text.ple_table_reports()],
         "draft": None if draft is None else type(draft).__name__,
     }
 

@@ -118,6 +118,12 @@ def qsa_builder(vllm_config: VllmConfig) -> QSABuilder | None:
     return qsa_attention_builder(vllm_config)
 
 
+def skip_unused_indexer(use_qsa: bool) -> WeightsMapper:
+    """The weights mapper that drops the QSA indexer's tensors when the attention layers are dense (exact within
+    the budget, `qsa_builder`): no layer holds them then (`names.SKIPPED_WITHOUT_QSA`)."""
+    return WeightsMapper(orig_to_new_regex={re.compile(p): None for p in (() if use_qsa else SKIPPED_WITHOUT_QSA)})
+
+
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(
         self, vllm_config: VllmConfig, layer_idx: int, prefix: str, qsa: QSABuilder | None, layer_type: str | None = None,
@@ -290,7 +296,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, Sup
             self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        self.ple_storage_at_load: list[dict] = []  # filled by load_weights
+        self.ple_table_reports_at_load: list[dict] = []  # filled by load_weights
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -312,10 +318,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, Sup
         return self.model.mtp_hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = self.hf_to_vllm_mapper
-        if not self.model.use_qsa:
-            # Dense attention equals QSA within the budget; the indexer weights are not needed.
-            mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(p): None for p in SKIPPED_WITHOUT_QSA})
+        mapper = self.hf_to_vllm_mapper | skip_unused_indexer(self.model.use_qsa)
         blocks = self.model.ple_blocks
         per_shard = 1 + (blocks[0].table.format.row_scale is not None) if blocks else 1  # tensors per shard
         # every PLE shard of the checkpoint passes by, those of other pipeline stages' layers too
@@ -325,12 +328,12 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, Sup
         for block in blocks:
             block.finish_loading()
         # Recorded before vLLM's post-load processing, so tests can check the tables never moved.
-        self.ple_storage_at_load = self.ple_storage()
+        self.ple_table_reports_at_load = self.ple_table_reports()
         return loaded
 
-    def ple_storage(self) -> list[dict]:
+    def ple_table_reports(self) -> list[dict]:
         """Device, pinning, bytes and data pointer of every PLE table (what the demo prints)."""
-        return [block.storage() for block in self.model.ple_blocks]
+        return [block.table_report() for block in self.model.ple_blocks]
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
@@ -390,7 +393,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def ple_storage_report(model: Qwen4ExpForCausalLM) -> dict[str, list[dict]]:
-    """PLE table storage now and right after weight loading; module-level so `LLM.apply_model` can ship it
-    to the worker by reference (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`)."""
-    return {"at_load": model.ple_storage_at_load, "now": model.ple_storage()}
+def report_ple_tables(model: Qwen4ExpForCausalLM) -> dict[str, list[dict]]:
+    """Every PLE table's report (`PLEBlock.table_report`) now and right after weight loading; module-level so
+    `LLM.apply_model` can ship it to the worker by reference (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`)."""
+    return {"at_load": model.ple_table_reports_at_load, "now": model.ple_table_reports()}

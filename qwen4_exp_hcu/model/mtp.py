@@ -22,11 +22,11 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from qwen4_exp_hcu.names import MIXER_INJECT, SKIPPED_WITHOUT_QSA
+from qwen4_exp_hcu.names import MIXER_INJECT
 from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 from .hyper_connection import GatedResidual, inject
-from .model import _STACKED, Qwen4ExpDecoderLayer, Qwen4ExpForCausalLM, qsa_builder
+from .model import _STACKED, Qwen4ExpDecoderLayer, Qwen4ExpForCausalLM, qsa_builder, skip_unused_indexer
 
 ATTENTION_LAYER_TYPE = "indexed_attention"  # the MTP layers' type (they have no GDN and no PLE)
 
@@ -93,12 +93,9 @@ class Qwen4ExpMTP(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's `mtp.*`, embeddings and lm_head; the target's own layers are not ours."""
         mapper = WeightsMapper(
-            # dense attention equals QSA within the budget: then the indexer weights are not needed
-            orig_to_new_regex={
-                re.compile(p): None for p in (MIXER_INJECT, *(() if self.model.use_qsa else SKIPPED_WITHOUT_QSA))
-            },
+            orig_to_new_regex={re.compile(MIXER_INJECT): None},
             orig_to_new_stacked=_STACKED,
             orig_to_new_prefix={"mtp.": "model.", "model.language_model.": "model."},
-        )
+        ) | skip_unused_indexer(self.model.use_qsa)
         ours = ("mtp.", "model.embed_tokens.", "model.language_model.embed_tokens.", "lm_head.")
         return AutoWeightsLoader(self).load_weights(((n, t) for n, t in weights if n.startswith(ours)), mapper=mapper)

@@ -22,6 +22,8 @@ eager, or both inside one captured graph):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
@@ -78,6 +80,13 @@ PLE_STATE_COPY_FUNCS = (get_conv_copy_spec, get_conv_copy_spec)
 
 
 # ---- the vLLM layer -------------------------------------------------------------------------------------
+class LayerStep(NamedTuple):
+    """What one PLE layer runs in a step: the step's packed requests, and the per-slot state they read and write."""
+
+    batch: PLEBatch
+    state: PLEState
+
+
 class PLEBlock(nn.Module, MambaBase):
     """One decoder layer's PLE: a `PLELayer` plus its slot-indexed state in vLLM's mamba cache."""
 
@@ -134,34 +143,37 @@ class PLEBlock(nn.Module, MambaBase):
         torch.ops.qwen4_exp_hcu.ple_forward(streams, input_ids, buffer, out, self.prefix)
         return out
 
-    def _step(self, input_ids: torch.Tensor) -> tuple[PLEBatch, PLEState] | None:
-        """(batch, state) of this step. A step that carries no metadata for this layer (vLLM's profile run,
-        a DP rank's padding step) runs the layer on one padding request holding every token (EOS context, a
-        fresh state that is never stored): its memory is part of what the profile run measures, and across-DP
-        lookups join the other ranks' collectives. None when the step schedules nothing for this layer."""
+    def _step(self, input_ids: torch.Tensor) -> LayerStep | None:
+        """This layer's part of the step: the requests vLLM scheduled and the layer's state in vLLM's cache; for a
+        step that carries no metadata for this layer, `_unstored_step`. None when the step schedules nothing for
+        this layer (and no other DP rank waits on its lookups)."""
         metadata = get_forward_context().attn_metadata
         m = None if metadata is None else metadata.get(self.prefix)
         if m is not None and m.num_decodes + m.num_prefills + m.num_spec_decodes:
             ngram, conv = self.kv_cache
-            return STEP_BATCHES.get(m, lambda m: pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv)
+            return LayerStep(STEP_BATCHES.get(m, lambda m: pack(m, input_ids)), PLEState(ngram.squeeze(-1), conv))
         if m is not None and not self.layer.etp.across_dp:
             return None
+        return self._unstored_step(input_ids)
+
+    def _unstored_step(self, input_ids: torch.Tensor) -> LayerStep:
+        """A step without metadata for this layer (vLLM's profile run, a DP rank's padding step): one padding
+        request holding every token (EOS context, a fresh state that is never stored). Its memory is part of what
+        the profile run measures, and across-DP lookups join the other ranks' collectives."""
         batch = PLEBatch.from_lengths(input_ids, [input_ids.shape[0]], [-1], [False], dp_max_tokens())
-        state = PLEState.zeros(self.layer.state_shapes(), 1, self.model_dtype, input_ids.device)
-        return batch, state
+        return LayerStep(batch, PLEState.zeros(self.layer.state_shapes(), 1, self.model_dtype, input_ids.device))
 
     def run_prefetch(self, input_ids: torch.Tensor) -> None:
         if (step := self._step(input_ids)) is not None:
-            self.prefetch.start(*step)
+            self.prefetch.start(step.batch, step.state)
 
     def run_forward(self, streams: torch.Tensor, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         step = self._step(input_ids)
         if step is None:
             out.zero_()
             return
-        batch, state = step
         embeddings = None if self.prefetch is None else self.prefetch.wait()
-        self.layer(streams, batch, state, embeddings=embeddings, out=out)
+        self.layer(streams, step.batch, step.state, embeddings=embeddings, out=out)
 
     # ---- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights) -> set[str]:
@@ -183,8 +195,9 @@ class PLEBlock(nn.Module, MambaBase):
         if self.layer.table.file_rows is not None:
             logger.info("%s: %s", self.prefix, self.layer.table.describe())
 
-    def storage(self) -> dict:
-        """Where the table lives, for reports and tests: device, pinned, bytes, data pointer."""
+    def table_report(self) -> dict:
+        """A report on the table, for the demo and tests: where it lives (device, pinned, data pointer), its dtype,
+        rows and bytes, and its hot rows."""
         t = self.layer.table
         return {
             "layer": self.prefix,

@@ -15,7 +15,7 @@ from qwen4_exp_hcu.env import prefetch_enabled
 from qwen4_exp_hcu.names import ple_layers
 from qwen4_exp_hcu.ple.formats.rows import FORMATS
 from qwen4_exp_hcu.ple.storage import PLEStorage
-from qwen4_exp_hcu.settings import ENGRAM, WHERE, plugin_settings
+from qwen4_exp_hcu.settings import ENGRAM, WHERE, engine_settings
 
 from .vllm_api import etp_group
 
@@ -71,8 +71,7 @@ def engram_settings(vllm_config: VllmConfig) -> EngramSettings:
     which every release accepts. `embedding_across_dp` comes from vLLM's only: vLLM sizes its ETP group by it."""
     engram = getattr(vllm_config, "engram_config", None)
     values = {f.name: bool(getattr(engram, f.name, f.default)) for f in dataclasses.fields(EngramSettings)}
-    settings = plugin_settings(vllm_config.additional_config)
-    values.update({name: getattr(settings, name) for name in ENGRAM if getattr(settings, name) is not None})
+    values.update(engine_settings(vllm_config).model_dump(include=set(ENGRAM), exclude_none=True))
     return EngramSettings(**values)
 
 
@@ -82,7 +81,7 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
     needs the storage and the calibration file."""
     from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
-    settings = plugin_settings(vllm_config.additional_config)
+    settings = engine_settings(vllm_config)
     gib, calibration = settings.hot_rows_gib, settings.hot_rows_calibration
     if not gib:
         return 0, None
@@ -107,7 +106,7 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
-    settings = plugin_settings(vllm_config.additional_config)
+    settings = engine_settings(vllm_config)
     if not settings.host_table_gib:
         return None, None
     if not storage.host:

@@ -66,19 +66,30 @@ def pack_speculative(metadata, input_ids: torch.Tensor) -> PLEBatch:
     qsl = metadata.query_start_loc[: B + 1].long()
     one = (qsl[1:] - qsl[:-1]) == 1
     decode, prefill = ~spec & one, ~spec & ~one
-    rank = lambda mask: (mask.long().cumsum(0) - 1).clamp_min(0)  # noqa: E731
     n_spec, d, p = metadata.num_spec_decodes, metadata.num_decodes, metadata.num_prefills
-    pick = lambda values, i, n: values[:n][i.clamp_max(max(n - 1, 0))] if n else torch.zeros_like(i)  # noqa: E731
+    at_spec, at_decode, at_prefill = _rank(spec), _rank(decode), _rank(prefill)
     others = metadata.state_indices_tensor.long()
-    slots = torch.where(spec, pick(metadata.spec_state_indices_tensor.long(), rank(spec), n_spec),
-                        torch.where(decode, pick(others, rank(decode), d), pick(others[d:], rank(prefill), p)))  # fmt: skip
+    slots = torch.where(spec, _entry(metadata.spec_state_indices_tensor.long(), at_spec, n_spec),
+                        torch.where(decode, _entry(others, at_decode, d), _entry(others[d:], at_prefill, p)))  # fmt: skip
     initial = spec | torch.where(
         decode,
-        pick(metadata.has_initial_states_d, rank(decode), d) if d else False,
-        pick(metadata.has_initial_states_p, rank(prefill), p) if p else False,
+        _entry(metadata.has_initial_states_d, at_decode, d) if d else False,
+        _entry(metadata.has_initial_states_p, at_prefill, p) if p else False,
     )
-    accepted = torch.where(spec, pick(metadata.num_accepted_tokens.long(), rank(spec), n_spec), 1)
+    accepted = torch.where(spec, _entry(metadata.num_accepted_tokens.long(), at_spec, n_spec), 1)
     return PLEBatch(input_ids, qsl, slots, initial, dp_max_tokens(), verify=spec, num_accepted=accepted)
+
+
+def _rank(mask: torch.Tensor) -> torch.Tensor:
+    """Each request's position among the requests `mask` selects, counted on the device (no host sync). Requests
+    outside the mask get their predecessor's rank (0 before the first): `torch.where` discards them."""
+    return (mask.long().cumsum(0) - 1).clamp_min(0)
+
+
+def _entry(values: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+    """`values[rank]` within a group's first `n` entries, for every request. Ranks of requests outside the group
+    are clamped into range, their entries discarded by `torch.where`; an empty group gives zeros."""
+    return values[:n][rank.clamp_max(max(n - 1, 0))] if n else torch.zeros_like(rank)
 
 
 def dp_max_tokens() -> int | None:
