@@ -1,6 +1,6 @@
 """One hyper-connection at the release's shape (hc 4 x hidden 2560, rank 320), torch ops against the kernels of
-`kernels.hyper_connection`, side by side in one run, each replayed as a CUDA graph (what a FULL_DECODE_ONLY
-decode step is) and, for prefill sizes (eager in that mode), eagerly too.
+`kernels.hyper_connection` and `kernels.down_silu`, side by side in one run, each replayed as a CUDA graph (what a
+FULL_DECODE_ONLY decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
     python benchmarks/bench_hyper_connection.py [--tokens 1 4 8 32 48 256 4096 16384] [--weights 16] [--sweep]
                                                 [--out benchmarks/results/hyper_connection]
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from qwen4_exp_hcu.env import PDL_ENV
+from qwen4_exp_hcu.kernels import down_silu as ds
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 HC, HIDDEN, RANK = 4, 2560, 320
@@ -59,10 +60,10 @@ def no_pdl(name: str):
     return mock.patch.dict(os.environ, {PDL_ENV: "0"}) if name.endswith("_no_pdl") else contextlib.nullcontext()
 
 
-def fused_down(x, w, counts, config: hc.DownSiluConfig | None = None):
+def fused_down(x, w, counts, config: ds.DownSiluConfig | None = None):
     """`down_silu` over the merged weight's rows that are not padding, as the model passes them (`config`: a launch;
     None: the default's)."""
-    return hc.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, config or hc.DownSiluConfig())
+    return ds.down_silu(x, w[: RANK + HC], RANK, float(HC), counts, config or ds.DownSiluConfig())
 
 
 def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=fused_down):
@@ -80,7 +81,7 @@ def block(variant: str, streams, pending, norm_w, down_w, up_w, counts, down=fus
 SWEEP_TOKENS = (1, 4, 16, 32)
 
 
-def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
+def sweep_configs(tokens: int) -> list[ds.DownSiluConfig]:
     """The launches around the defaults (16 splits, 4 warps; one token: 4 columns, K 1 024; more: 16 columns,
     K 128-256). One token (multiply-adds): 2-16 columns; 10 or 20 splits cover K = 10 240 in whole K blocks of 1 024
     or 512 (16 would leave 6 splits idle) or 1 split stepping through whole rows. More tokens (`tl.dot`: 16
@@ -90,16 +91,16 @@ def sweep_configs(tokens: int) -> list[hc.DownSiluConfig]:
     it, which keeps the difference measured. At every size also `whole_rows` (vLLM's CuTe FMA kernel's scheme,
     1-2 columns a program, every weight loaded before the wait; above 4 tokens a program per 4 rows, slower than
     split-K there)."""
-    whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
-    if tokens > hc.WHOLE_ROWS_PER_PROGRAM:  # the two best there (ptxas at sm_90a: no spills, a few at 4 columns)
-        whole = [hc.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
+    whole = [ds.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in itertools.product((1, 2), (2, 4, 8))]
+    if tokens > ds.WHOLE_ROWS_PER_PROGRAM:  # the two best there (ptxas at sm_90a: no spills, a few at 4 columns)
+        whole = [ds.DownSiluConfig(whole_rows=True, block_n=n, num_warps=w) for n, w in ((1, 4), (4, 8))]
     if tokens == 1:
         grid = itertools.product((2, 4, 8, 16), (1, 10, 16, 20), (512, 1024), (2, 4))
-        return [hc.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, warm_counter=False, whole_rows=False)
+        return [ds.DownSiluConfig(split=s, block_n=n, block_k=k, num_warps=w, warm_counter=False, whole_rows=False)
                 for n, s, k, w in grid] + whole  # fmt: skip
     grid = [(s, k, True) for s, k in itertools.product((8, 10, 16, 20, 40), (128, 256, 512))]
     grid += [(s, k, False) for s, k in ((10, 256), (16, 128))]  # the defaults above and up to 16 tokens, counters cold
-    return [hc.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, warm_counter=wc, whole_rows=False)
+    return [ds.DownSiluConfig(split=s, block_n=16, block_k=k, num_warps=4, warm_counter=wc, whole_rows=False)
             for s, k, wc in grid] + whole  # fmt: skip
 
 
@@ -110,7 +111,7 @@ def weight_sets(n: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Te
     return [(torch.randn(HC * HIDDEN, device=dev, generator=g).to(dt) * 0.1,
              (torch.randn(RANK + HC + PAD, HC * HIDDEN, device=dev, generator=g) / 100).to(dt),
              (torch.randn(HC * HIDDEN, RANK, device=dev, generator=g) / 20).to(dt),
-             torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)) for _ in range(n)]  # fmt: skip
+             torch.zeros(ds.DOWN_SILU_TILES, dtype=torch.int32, device=dev)) for _ in range(n)]  # fmt: skip
 
 
 def config_row(per, baseline: tuple, configs: list, label, launch, wrong=lambda c: None) -> dict:
@@ -147,7 +148,7 @@ def vllm_down_silu():
 def off_reference(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Where a launch's (silu, rest) is more than two bf16 steps of the largest value off the torch reference (what
     tests/test_hyper_connection.py allows): a message, so that a wrong launch cannot win the sweep."""
-    for name, a, b in zip(("silu", "rest"), got, hc.down_silu_reference(x, w[: RANK + HC], RANK, float(HC)), strict=True):
+    for name, a, b in zip(("silu", "rest"), got, ds.down_silu_reference(x, w[: RANK + HC], RANK, float(HC)), strict=True):
         err, bound = (a.float() - b.float()).abs().max().item(), 2 * torch.finfo(b.dtype).eps * b.float().abs().max().item()
         if not err <= bound:
             return f"{name} {err:.3g} off the reference (bound {bound:.3g})"
@@ -165,14 +166,14 @@ def sweep(weights, g: torch.Generator) -> dict:
         launch = lambda w, counts, c: fused_down(x, w, counts, c)  # noqa: E731
         row = config_row(
             per, ("cublas_silu", lambda w, _: hc.scaled_silu(F.linear(x, w)[:, :RANK], float(HC))), sweep_configs(t),
-            hc.DownSiluConfig.label, launch, lambda c: off_reference(launch(weights[0][1], weights[0][3], c), x, weights[0][1]),
+            ds.DownSiluConfig.label, launch, lambda c: off_reference(launch(weights[0][1], weights[0][3], c), x, weights[0][1]),
         )  # fmt: skip
         with no_pdl("_no_pdl"):
             row["default_no_pdl_vs_cublas_silu"] = row["cublas_silu"] / per(lambda w, counts: fused_down(x, w, counts))
         if cute is not None:  # compiled (JIT) outside the timed graphs, checked against the reference
             w = weights[0][1]
             silu = cute(x, w, RANK, HC)[0]
-            row["vllm_cute_max_abs_diff"] = (silu.float() - hc.down_silu_reference(x, w, RANK, float(HC))[0].float()).abs().max().item()
+            row["vllm_cute_max_abs_diff"] = (silu.float() - ds.down_silu_reference(x, w, RANK, float(HC))[0].float()).abs().max().item()
             row["vllm_cute"] = per(lambda w, _: cute(x, w, RANK, HC))
             row["default_vs_vllm_cute"] = row["vllm_cute"] * row["default_vs_cublas_silu"] / row["cublas_silu"]
             print("sweep", t, f"vLLM's CuTe kernel {row['vllm_cute']:.2f} us: the default runs at {row['default_vs_vllm_cute']:.2f}x its speed", flush=True)
@@ -182,10 +183,10 @@ def sweep(weights, g: torch.Generator) -> dict:
     return out
 
 
-def block_candidates(alone: dict, n: int = 8) -> dict[str, hc.DownSiluConfig]:
+def block_candidates(alone: dict, n: int = 8) -> dict[str, ds.DownSiluConfig]:
     """The default launch and the `n` fastest of a token count's alone sweep, by label."""
     timed = sorted((v, k) for k, v in alone.items() if k.startswith(("rows_", "split")) and isinstance(v, float))
-    return {"default": hc.DownSiluConfig()} | {k: hc.DownSiluConfig.parse(k) for _, k in timed[:n]}
+    return {"default": ds.DownSiluConfig()} | {k: ds.DownSiluConfig.parse(k) for _, k in timed[:n]}
 
 
 def block_sweep(weights, g: torch.Generator, alone: dict, cute) -> dict:
@@ -251,7 +252,7 @@ def main() -> None:
         streams = torch.randn(t, HC * HIDDEN, device=dev, generator=g).to(dt)
         pending = (torch.randn(t, HIDDEN, device=dev, generator=g).to(dt), torch.rand(t, HC, device=dev, generator=g).to(dt) * 2)
         row, outputs = {}, {}
-        for name in (n for n in OPS if n not in DECODE_ONLY or t <= hc.DOWN_SILU_MAX_TOKENS):
+        for name in (n for n in OPS if n not in DECODE_ONLY or t <= ds.DOWN_SILU_MAX_TOKENS):
             run = lambda: [block(name, streams, pending, *w) for w in weights]  # noqa: E731
             with no_pdl(name):
                 outputs[name] = run()[0]

@@ -96,7 +96,7 @@ def gpu_numa_node() -> int | None:
 
 
 def uva_view(t: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor aliasing a pinned host tensor (what the earlier implementation fed F.embedding)."""
+    """A CUDA tensor aliasing a pinned host tensor (what the `earlier` variant feeds F.embedding)."""
     import cupy
 
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -163,7 +163,7 @@ def main() -> None:
     ids_uniform = torch.randint(0, R, (T, H), device="cuda")
     sweeps = {False: {}, True: {}}
     for sort in (False, True):
-        for bp in (1, 2, 4, 8, 16, 32, 64, 128):  # 1 and 2: the 52 GB TP1 table read best at the smallest tried (4)
+        for bp in (1, 2, 4, 8, 16, 32, 64, 128):  # 1 and 2: the 52 GB TP1 table reads best at 4, so below it too
             for nw in (1, 2, 4, 8, 16):
                 fn = lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=sort)
                 sweeps[sort][f"block_p={bp},warps={nw}"] = useful / do_bench(fn) / 1e6

@@ -62,7 +62,7 @@ where our class runs dense attention, which equals QSA there, and vLLM's class r
 vLLM's default breakable graphs, or `full_decode_only` (breakable off, `cudagraph_mode=FULL_DECODE_ONLY`: a decode
 step is one graph and wall time tracks GPU time; decode speed ratios belong there, breakable graphs' wall clock
 swings on this engine; without torch.compile, as vLLM's default for Qwen4Exp, whose breakable graphs turn it off,
-and no compile at start: at 48 layers breakable engines, which skip it too, started in 134 s, compiled ones in 148-278
+and no compile at start: at 48 layers breakable engines, which skip it too, start in 134 s, compiled ones in 148-278
 s), `full_decode_only_compiled` (the same with vLLM's torch.compile), torch.compile's `full_and_piecewise` / `piecewise`, or `eager`. vLLM's own class needs
 the CuTe DSL on the GPU machine (`tools/gpu_cute_dsl.sh`).
 """
@@ -176,8 +176,8 @@ def tensor_bytes(model) -> dict:
 def decode_step(outputs) -> float:
     """Seconds per new token of a sequence (a decode step, without speculation) in one `generate` call, from the
     engine core's timestamps of each request's first and last token (`RequestOutput.metrics`, recorded with log
-    stats on): the median over requests. Wall clock around the call also held a request's fixed cost (measured on
-    the H200: ~170 ms at one sequence, varying run to run), which swung a class's tokens/s by up to 10 %, and a
+    stats on): the median over requests. Wall clock around the call also holds a request's fixed cost (measured on
+    the H200: ~170 ms at one sequence, varying run to run), which swings a class's tokens/s by up to 10 %, and a
     slope between two lengths by up to 6 %."""
     steps = []
     for o in outputs:
@@ -229,7 +229,7 @@ def _timeline(events) -> tuple[float, dict[str, float], list[tuple[float, float,
 
 def decode_gaps(gaps: list[tuple[float, float, str, str]], short_span: float) -> list[tuple[float, str, str]]:
     """The idle gaps of IDLE_GAP_US or more that start after the shorter run's span: those of the steps the longer
-    run adds (the two runs' first steps are the same work; subtracting the shorter run's gap count instead went
+    run adds (the two runs' first steps are the same work; subtracting the shorter run's gap count instead can go
     negative, its gaps not matching the longer run's one for one)."""
     return [(us, before, after) for at, us, before, after in gaps if at >= short_span and us >= IDLE_GAP_US]
 

@@ -32,7 +32,7 @@ def register() -> None:
 
     from qwen4_exp_hcu.kernels import torch_ops
     from qwen4_exp_hcu.model.vllm_api import vllm_classes_kept
-    from qwen4_exp_hcu.kernels.hyper_connection import configured_launch
+    from qwen4_exp_hcu.kernels.down_silu import configured_launch
 
     watch_engine_process()
     torch_ops()  # an unknown kernel name in QWEN4_EXP_HCU_TORCH_OPS stops here, before any engine starts

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import native_specialize_impl
 
 from helpers.releases import census, text_config
-from qwen4_exp_hcu.kernels import gather_dequant, hyper_connection, ngram_hash, ple_gate, short_conv
+from qwen4_exp_hcu.kernels import down_silu, gather_dequant, hyper_connection, ngram_hash, ple_gate, short_conv
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -171,18 +172,19 @@ def _hyper_connection_launches(cfg) -> dict[str, Launch]:
         "mix-weights": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc, merged[:, rank : rank + hc]),
         "mix": ("_gate_mix_kernel", hyper_connection.gate_mix, streams, streams, hc),
     }
-    counts = torch.zeros(hyper_connection.DOWN_SILU_TILES, dtype=torch.int32)
+    counts = torch.zeros(down_silu.DOWN_SILU_TILES, dtype=torch.int32)
     down_w = torch.zeros(rank + hc, hc * h, dtype=torch.bfloat16)  # the rows the model passes: not its padding
     # whole rows, and split-K dots: 16 K splits up to 16 tokens, 10 above
     for tokens, kernel in ((1, "_down_silu_rows_kernel"), (16, "_down_silu_kernel"), (32, "_down_silu_kernel")):
         normed = torch.zeros(tokens, hc * h, dtype=torch.bfloat16)
-        calls[f"down-silu-{tokens}"] = (kernel, hyper_connection.down_silu, normed, down_w, rank, float(hc), counts)
-    cold = hyper_connection.DownSiluConfig(warm_counter=False)  # 32 tokens, the counter first touched after the wait
-    calls["down-silu-cold"] = ("_down_silu_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, cold)
-    whole_rows = hyper_connection.DownSiluConfig(whole_rows=True)  # the most rows a program holds (MTP's 4 tokens)
-    normed = torch.zeros(hyper_connection.WHOLE_ROWS_PER_PROGRAM, hc * h, dtype=torch.bfloat16)
-    calls["down-silu-rows"] = ("_down_silu_rows_kernel", hyper_connection.down_silu, normed, down_w, rank, float(hc), counts, whole_rows)
-    launches = {f"hc-{name}": _record(hyper_connection, kernel, *call) for name, (kernel, *call) in calls.items()}
+        calls[f"down-silu-{tokens}"] = (kernel, down_silu.down_silu, normed, down_w, rank, float(hc), counts)
+    cold = down_silu.DownSiluConfig(warm_counter=False)  # 32 tokens, the counter first touched after the wait
+    calls["down-silu-cold"] = ("_down_silu_kernel", down_silu.down_silu, normed, down_w, rank, float(hc), counts, cold)
+    whole_rows = down_silu.DownSiluConfig(whole_rows=True)  # the most rows a program holds (MTP's 4 tokens)
+    normed = torch.zeros(down_silu.WHOLE_ROWS_PER_PROGRAM, hc * h, dtype=torch.bfloat16)
+    calls["down-silu-rows"] = ("_down_silu_rows_kernel", down_silu.down_silu, normed, down_w, rank, float(hc), counts, whole_rows)
+    launches = {f"hc-{name}": _record(sys.modules[launcher.__module__], kernel, launcher, *args)
+                for name, (kernel, launcher, *args) in calls.items()}  # fmt: skip
     # UPCAST is the CPU interpreter's fp32 detour (`_gemm_block`); a GPU runs bf16 dots, which is what compiles here
     return {name: Launch(l.kernel, l.args, {**l.kwargs, "UPCAST": False} if "UPCAST" in l.kwargs else l.kwargs)
             for name, l in launches.items()}  # fmt: skip

@@ -1,5 +1,6 @@
-"""The hyper-connection kernels (`kernels.hyper_connection`) against their torch references, op by op (on the
-CPU under Triton's interpreter, and on a GPU) and as the loaded tiny checkpoint's `GatedResidual` runs them.
+"""The hyper-connection kernels (`kernels.hyper_connection`, `kernels.down_silu`) against their torch references,
+op by op (on the CPU under Triton's interpreter, and on a GPU) and as the loaded tiny checkpoint's `GatedResidual` runs
+them.
 float32 results agree to float32 rounding. bf16 ones to two bf16 steps of the tensor's largest value: the
 interpreter casts float -> bf16 by truncation where a GPU rounds to nearest, and the kernels round where the
 references do, so their bf16 results differ by a rounding step at a time."""
@@ -13,6 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from benchmarks import bench_hyper_connection as bench_hc
+from qwen4_exp_hcu.kernels import down_silu as ds
 from qwen4_exp_hcu.kernels import hyper_connection as hc
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -111,29 +113,29 @@ def _down_silu_inputs(t, dtype, device, n=40, k=600):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 5, 17, hc.DOWN_SILU_MAX_TOKENS])  # whole rows up to 4 rows, dots above
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, ds.DOWN_SILU_MAX_TOKENS])  # whole rows up to 4 rows, dots above
 def test_down_silu_matches_reference(device, dtype, tokens):
     """Column slices as the model takes them; the tile counters end at zero (the next launch's start), and a
     second launch gives the same bits (the K splits are added in a fixed order)."""
     x, weight, counts = _down_silu_inputs(tokens, dtype, device)
-    got = hc.down_silu(x, weight, 30, 4.0, counts)
-    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    got = ds.down_silu(x, weight, 30, 4.0, counts)
+    _assert_all_close(got, ds.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
-    assert all(map(torch.equal, hc.down_silu(x, weight, 30, 4.0, counts), got))
+    assert all(map(torch.equal, ds.down_silu(x, weight, 30, 4.0, counts), got))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "tokens, config",
-    [pytest.param(t, hc.DownSiluConfig(split=32, block_k=64, whole_rows=False), id=f"{t}-32_splits_most_idle") for t in (1, 17)]
-    + [pytest.param(t, hc.DownSiluConfig(split=3, block_n=32, num_warps=8, whole_rows=False), id=f"{t}-3_splits_wide_columns") for t in (1, 17)]
-    + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=4, block_k=1024, whole_rows=False), id="1-one_split")]
-    + [pytest.param(1, hc.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2, whole_rows=False), id="1-two_columns_two_warps")]
-    + [pytest.param(1, hc.DownSiluConfig(split=1, block_n=1, block_k=1024, whole_rows=False), id="1-a_column_per_program")]
-    + [pytest.param(17, hc.DownSiluConfig(split=1), id="17-no_split")]
-    + [pytest.param(t, hc.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4), (17, 2))]
-    + [pytest.param(17, hc.DownSiluConfig(split=10, block_n=16, block_k=1024, whole_rows=False), id="17-one_k_block_a_split")]
-    + [pytest.param(17, hc.DownSiluConfig(split=3, block_k=64, warm_counter=True, whole_rows=False), id="17-counters_touched_early")],
+    [pytest.param(t, ds.DownSiluConfig(split=32, block_k=64, whole_rows=False), id=f"{t}-32_splits_most_idle") for t in (1, 17)]
+    + [pytest.param(t, ds.DownSiluConfig(split=3, block_n=32, num_warps=8, whole_rows=False), id=f"{t}-3_splits_wide_columns") for t in (1, 17)]
+    + [pytest.param(1, ds.DownSiluConfig(split=1, block_n=4, block_k=1024, whole_rows=False), id="1-one_split")]
+    + [pytest.param(1, ds.DownSiluConfig(split=10, block_n=2, block_k=512, num_warps=2, whole_rows=False), id="1-two_columns_two_warps")]
+    + [pytest.param(1, ds.DownSiluConfig(split=1, block_n=1, block_k=1024, whole_rows=False), id="1-a_column_per_program")]
+    + [pytest.param(17, ds.DownSiluConfig(split=1), id="17-no_split")]
+    + [pytest.param(t, ds.DownSiluConfig(whole_rows=True, block_n=n), id=f"{t}-whole_rows_{n}_columns") for t, n in ((1, 1), (3, 2), (4, 4), (17, 2))]
+    + [pytest.param(17, ds.DownSiluConfig(split=10, block_n=16, block_k=1024, whole_rows=False), id="17-one_k_block_a_split")]
+    + [pytest.param(17, ds.DownSiluConfig(split=3, block_k=64, warm_counter=True, whole_rows=False), id="17-counters_touched_early")],
 )  # fmt: skip
 def test_down_silu_launch_configs_agree(device, tokens, config):
     """The launches the benchmark sweeps match the reference too: more splits than K blocks (idle splits add
@@ -142,8 +144,8 @@ def test_down_silu_launch_configs_agree(device, tokens, config):
     and its reset unchanged), (one token: no `tl.dot`) narrow blocks reading whole rows, and whole rows for more rows
     than a program holds (17 tokens: 5 programs a column, the last with one row)."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
-    got = hc.down_silu(x, weight, 30, 4.0, counts, config)
-    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    got = ds.down_silu(x, weight, 30, 4.0, counts, config)
+    _assert_all_close(got, ds.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
 
@@ -165,9 +167,9 @@ def test_down_silu_any_launch_matches_reference(tokens, n, k, split, block_n, bl
     assume(whole_rows or tokens == 1 or block_n >= 16)
     x = _randn(tokens, k, dtype=torch.float32, seed=k)
     weight = _randn(n, k, dtype=torch.float32, seed=n, scale=0.05)
-    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32)
-    config = hc.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, whole_rows=whole_rows)
-    _assert_all_close(hc.down_silu(x, weight, 30, 4.0, counts, config), hc.down_silu_reference(x, weight, 30, 4.0))
+    counts = torch.zeros(ds.DOWN_SILU_TILES, dtype=torch.int32)
+    config = ds.DownSiluConfig(split=split, block_n=block_n, block_k=block_k, whole_rows=whole_rows)
+    _assert_all_close(ds.down_silu(x, weight, 30, 4.0, counts, config), ds.down_silu_reference(x, weight, 30, 4.0))
     assert not counts.any()
 
 
@@ -178,16 +180,16 @@ def test_down_silu_reads_rows_at_any_stride(device, tokens):
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, device)
     wide_x, wide_w = torch.zeros(tokens, 700, dtype=x.dtype, device=device), torch.zeros(40, 664, dtype=x.dtype, device=device)
     wide_x[:, :600], wide_w[:, :600] = x, weight
-    got = hc.down_silu(wide_x[:, :600], wide_w[:, :600], 30, 4.0, counts)
-    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    got = ds.down_silu(wide_x[:, :600], wide_w[:, :600], 30, 4.0, counts)
+    _assert_all_close(got, ds.down_silu_reference(x, weight, 30, 4.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [512, 1, 3])  # a power of two (no tail), the smallest K, a tail wider than the rest
 def test_whole_rows_of_any_width(device, k):
     x, weight, counts = _down_silu_inputs(2, torch.bfloat16, device, k=k)
-    got = hc.down_silu(x, weight, 30, 4.0, counts, hc.DownSiluConfig(whole_rows=True))
-    _assert_all_close(got, hc.down_silu_reference(x, weight, 30, 4.0))
+    got = ds.down_silu(x, weight, 30, 4.0, counts, ds.DownSiluConfig(whole_rows=True))
+    _assert_all_close(got, ds.down_silu_reference(x, weight, 30, 4.0))
 
 
 @cpu_only
@@ -195,20 +197,20 @@ def test_whole_rows_of_any_width(device, k):
 def test_the_tolerance_sees_the_silu_on_the_wrong_columns(tokens, whole_rows):
     """The injection logits pass through unchanged: a silu over one more column must fail."""
     x, weight, counts = _down_silu_inputs(tokens, torch.bfloat16, "cpu")
-    down, rest = hc.down_silu(x, weight, 31, 4.0, counts, hc.DownSiluConfig(whole_rows=whole_rows))
+    down, rest = ds.down_silu(x, weight, 31, 4.0, counts, ds.DownSiluConfig(whole_rows=whole_rows))
     with pytest.raises(AssertionError):
-        _assert_all_close((down[:, :30], torch.cat((down[:, 30:], rest), -1)), hc.down_silu_reference(x, weight, 30, 4.0))
+        _assert_all_close((down[:, :30], torch.cat((down[:, 30:], rest), -1)), ds.down_silu_reference(x, weight, 30, 4.0))
 
 
 @cpu_only
 def test_down_silu_refuses_what_it_does_not_serve():
-    x, weight, counts = _down_silu_inputs(hc.DOWN_SILU_MAX_TOKENS + 1, torch.float32, "cpu")
-    with pytest.raises(ValueError, match=f"{hc.DOWN_SILU_MAX_TOKENS + 1} rows"):
-        hc.down_silu(x, weight, 30, 4.0, counts)
+    x, weight, counts = _down_silu_inputs(ds.DOWN_SILU_MAX_TOKENS + 1, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=f"{ds.DOWN_SILU_MAX_TOKENS + 1} rows"):
+        ds.down_silu(x, weight, 30, 4.0, counts)
     with pytest.raises(ValueError, match="tile counters"):
-        hc.down_silu(x[:5], weight, 30, 4.0, counts[:2])
+        ds.down_silu(x[:5], weight, 30, 4.0, counts[:2])
     with pytest.raises(ValueError, match="blocks of 16 columns"):
-        hc.down_silu(x[:5], weight, 30, 4.0, counts, hc.DownSiluConfig(block_n=4))
+        ds.down_silu(x[:5], weight, 30, 4.0, counts, ds.DownSiluConfig(block_n=4))
 
 
 @cpu_only
@@ -216,7 +218,7 @@ def test_down_silu_refuses_what_it_does_not_serve():
 def test_every_sweep_label_names_its_launch(tokens):
     """`QWEN4_EXP_HCU_DOWN_SILU` serves a sweep's launch by its label: each reads back as the same config."""
     for config in bench_hc.sweep_configs(tokens):
-        assert hc.DownSiluConfig.parse(config.label()) == config
+        assert ds.DownSiluConfig.parse(config.label()) == config
 
 
 @cpu_only
@@ -226,13 +228,13 @@ def test_a_launch_off_the_reference_cannot_win_the_sweep():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, bench_hc.HC * bench_hc.HIDDEN, generator=g).to(torch.bfloat16)
     w = (torch.randn(bench_hc.RANK + bench_hc.HC, bench_hc.HC * bench_hc.HIDDEN, generator=g) / 100).to(torch.bfloat16)
-    silu, rest = hc.down_silu_reference(x, w, bench_hc.RANK, float(bench_hc.HC))
+    silu, rest = ds.down_silu_reference(x, w, bench_hc.RANK, float(bench_hc.HC))
     assert bench_hc.off_reference((silu, rest), x, w) is None
     step = (rest.float() * (1 + torch.finfo(torch.bfloat16).eps)).to(torch.bfloat16)  # one bf16 step at most
     assert bench_hc.off_reference((silu, step), x, w) is None
     off = (rest.float() * 1.05).to(torch.bfloat16)
     assert bench_hc.off_reference((silu, off), x, w).startswith("rest")
-    fast_wrong, slow_right = hc.DownSiluConfig(split=16), hc.DownSiluConfig(split=10)
+    fast_wrong, slow_right = ds.DownSiluConfig(split=16), ds.DownSiluConfig(split=10)
     timings = {fast_wrong: 1.0, slow_right: 2.0}
     row = bench_hc.config_row(
         lambda f: timings.get(f(None, None), 3.0), ("base", lambda w, counts: None), [fast_wrong, slow_right],
@@ -247,9 +249,9 @@ def test_the_block_sweep_takes_the_alone_sweeps_fastest():
     the failures or the summary fields."""
     alone = {"cublas_silu": 1.0, "split10_n16_k128_w4": 7.0, "rows_n1_w4": 13.0, "split8_n16_k256_w4": 7.5,
              "best": "split10_n16_k128_w4", "best_vs_cublas_silu": 0.1, "failed": {"split40_n16_k512_w4": "x"}}  # fmt: skip
-    split_k = functools.partial(hc.DownSiluConfig, block_n=16, num_warps=4, warm_counter=False, whole_rows=False)
+    split_k = functools.partial(ds.DownSiluConfig, block_n=16, num_warps=4, warm_counter=False, whole_rows=False)
     assert bench_hc.block_candidates(alone, 2) == {
-        "default": hc.DownSiluConfig(),
+        "default": ds.DownSiluConfig(),
         "split10_n16_k128_w4": split_k(split=10, block_k=128),  # a label without `_wc`: counters touched after the wait
         "split8_n16_k256_w4": split_k(split=8, block_k=256),
     }
@@ -257,18 +259,18 @@ def test_the_block_sweep_takes_the_alone_sweeps_fastest():
 
 @cpu_only
 def test_the_served_launch_comes_from_the_environment(monkeypatch):
-    hc.configured_launch.cache_clear()
+    ds.configured_launch.cache_clear()
     monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", "rows_n1_w8")
-    assert hc.configured_launch() == hc.DownSiluConfig(whole_rows=True, block_n=1, num_warps=8)
+    assert ds.configured_launch() == ds.DownSiluConfig(whole_rows=True, block_n=1, num_warps=8)
     for label in ("rows_n1", "split10_n4_k1024_w2"):  # not a label; a one-token launch, which tl.dot refuses above
-        hc.configured_launch.cache_clear()
+        ds.configured_launch.cache_clear()
         monkeypatch.setenv("QWEN4_EXP_HCU_DOWN_SILU", label)
         with pytest.raises(ValueError, match=f"QWEN4_EXP_HCU_DOWN_SILU='{label}'"):
-            hc.configured_launch()
-    hc.configured_launch.cache_clear()
+            ds.configured_launch()
+    ds.configured_launch.cache_clear()
     monkeypatch.delenv("QWEN4_EXP_HCU_DOWN_SILU")
-    assert hc.configured_launch() == hc.DownSiluConfig()
-    hc.configured_launch.cache_clear()
+    assert ds.configured_launch() == ds.DownSiluConfig()
+    ds.configured_launch.cache_clear()
 
 
 @cpu_only
@@ -328,9 +330,9 @@ def test_a_decode_chain_in_a_cuda_graph_matches_its_reference(monkeypatch, pdl):
     pending = _pending(dt, dev)[0][:1], _pending(dt, dev)[1][:1]
     norm_w = _randn(HC * H, dtype=dt, seed=3, scale=0.1, device=dev)
     down_w, up_w = _randn(40, HC * H, dtype=dt, seed=4, scale=0.05, device=dev), _randn(HC * H, 30, dtype=dt, seed=5, scale=0.2, device=dev)
-    counts = torch.zeros(hc.DOWN_SILU_TILES, dtype=torch.int32, device=dev)
-    kernels = (hc.inject_norm, lambda *a: hc.down_silu(*a, counts), hc.gate_mix)
-    references = (hc.inject_norm_reference, hc.down_silu_reference, hc.gate_mix_reference)
+    counts = torch.zeros(ds.DOWN_SILU_TILES, dtype=torch.int32, device=dev)
+    kernels = (hc.inject_norm, lambda *a: ds.down_silu(*a, counts), hc.gate_mix)
+    references = (hc.inject_norm_reference, ds.down_silu_reference, hc.gate_mix_reference)
     args = (streams, pending, norm_w, down_w, up_w, counts)
     _decode_chain(*args, kernels)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -483,7 +485,7 @@ def test_the_model_fuses_the_down_gemm_at_decode_sizes_on_an_accelerator(monkeyp
     def fused(tokens, device="cuda"):
         return GatedResidual._fuse_down(SimpleNamespace(device=torch.device(device), shape=(tokens, 8)))
 
-    assert FUSED_DOWN_MAX_TOKENS <= hc.DOWN_SILU_MAX_TOKENS
+    assert FUSED_DOWN_MAX_TOKENS <= ds.DOWN_SILU_MAX_TOKENS
     assert [fused(t) for t in (0, 1, FUSED_DOWN_MAX_TOKENS, FUSED_DOWN_MAX_TOKENS + 1)] == [False, True, True, False]
     assert not fused(1, "cpu")
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)

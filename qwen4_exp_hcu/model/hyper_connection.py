@@ -5,7 +5,7 @@ gated low-rank mix collapses the (normalised) streams into the block input; afte
 output is injected back into every stream with a per-stream weight `2 * sigmoid(.)`.
 The matrices are tiny (rank `hc_lowrank`), so they are replicated across TP ranks. The glue between
 them runs as three kernels (`kernels.hyper_connection`); the previous block's injection is fused
-with the streams' norm, and at decode sizes the down GEMM with its silu.
+with the streams' norm, and at decode sizes the down GEMM with its silu (`kernels.down_silu`).
 """
 
 import torch
@@ -14,10 +14,8 @@ from vllm import envs
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 
 from qwen4_exp_hcu.kernels import dispatch, torch_ops
+from qwen4_exp_hcu.kernels.down_silu import DOWN_SILU_TILES, configured_launch, down_silu
 from qwen4_exp_hcu.kernels.hyper_connection import (
-    DOWN_SILU_TILES,
-    configured_launch,
-    down_silu,
     gate_mix,
     gate_mix_reference,
     inject_norm,
@@ -29,8 +27,8 @@ from qwen4_exp_hcu.norm import GroupedRMSNorm
 
 
 Pending = tuple[torch.Tensor, torch.Tensor]  # a block's output and its injection weights, not yet injected
-# `down_silu` serves up to 32 tokens; the model fuses up to 16: served at the release's geometry, the GEMM library
-# was as fast at 32 tokens although the kernel timed alone was not (benchmarks/results/hyper_connection)
+# `down_silu` serves up to 32 tokens; the model fuses up to 16: in serving at the release's geometry the GEMM library
+# is as fast at 32 tokens, though the kernel timed alone is not (docs/PERFORMANCE.md)
 FUSED_DOWN_MAX_TOKENS = 16
 
 
@@ -48,7 +46,7 @@ class GatedResidual(nn.Module):
         # (checkpoint: `input_mix_weight_down` and `block_inject_weight`, see the model's stacked names)
         self.sizes = [config.hc_lowrank] + [self.hc_count] * use_combine
         # its output rows padded to 16 columns, as vLLM's class pads them: for the release's 320 + 4 bf16 (648 B)
-        # cuBLAS took align-2 kernels, 2.2x slower than vLLM's class at b = 256 on the H200. The padding's weight
+        # cuBLAS takes align-2 kernels, 2.2x slower than vLLM's class at b = 256 on the H200. The padding's weight
         # rows are zeros, which `down_silu` does not read (as vLLM's CuTe kernel skips them).
         pad = -sum(self.sizes) % 16
         self.input_mix_weight_down_block_inject = MergedColumnParallelLinear(

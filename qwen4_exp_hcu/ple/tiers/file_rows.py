@@ -5,7 +5,7 @@ The read path is a host gather: each lookup brings its ids to the host, copies t
 resident from the mapped files into a staging area, and hands the lookup kernel remapped ids over one
 buffer that holds the resident rows followed by the staging area. The bytes are the checkpoint's, so lookups
 are exact. Accelerators that read pageable host memory directly could skip the staging copy, but the H200
-this was built on reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
+reports `cudaDevAttrPageableMemoryAccess` = 0 (docs/PERFORMANCE.md), so every platform
 takes the host gather. On an accelerator it runs in the stream's order on the driver's host thread
 (`ple.host_call`): the ids go to pinned memory, the host function (C, `ple/tiers/stage.c`: it needs no GIL) stages
 the rows and writes the remapped ids to pinned memory, and they go back, all queued without a host sync. CUDA
@@ -307,7 +307,7 @@ class FileRows:
     def _promote_from_traffic(self) -> None:
         """Called by the C host function every `refresh_every` lookups (or once `FRESH_ROWS` rows were first read
         since the last): the most counted rows become resident, then counts halve. The work follows the rows read,
-        not the table: over every row's count, a promotion at the release's 80 M rows per TP4 rank took 2.9 s (a
+        not the table: over every row's count, a promotion at the release's 80 M rows per TP4 rank takes 2.9 s (a
         partition of all counts) on a 2-core host, every 256 lookups."""
         state = self._state
         counted = np.concatenate([self._carried, self._fresh[: state.fresh_len]])

@@ -4,7 +4,7 @@ The driver runs the function on its own thread once the stream's earlier work is
 stream's later work until it returns. A CUDA graph captures the launch as a host node, so host work (the file
 tier's reads from the checkpoint's files) runs inside full decode graphs, and never blocks the Python thread
 that queues the step. The function must not call the GPU runtime (no CUDA/HIP calls, no CUDA tensors). It is C
-(`ple/tiers/stage.c`): Python there waits for the GIL while the engine's thread runs Python, which took the file tier's
+(`ple/tiers/stage.c`): Python there waits for the GIL while the engine's thread runs Python, which takes the file tier's
 host nodes from 0.2-0.9 ms of work to 9 ms while serving (docs/PERFORMANCE.md). Python runs there only when the C
 function calls back (`guarded`), rarely: a garbage collection it starts runs finalizers on the driver's thread, where
 a CUDA object's (an event's destroy) would break that rule.
@@ -63,7 +63,7 @@ _CALLBACKS = []  # never freed: a captured graph or a queued launch may call one
 CALLBACK_SWITCH_INTERVAL_S = 1e-5
 """The interpreter's switch interval while a callback runs. Every numpy call that gives up the GIL lets the engine's
 thread take it, and the callback waits up to the interval (5 ms by default) to get it back: beside a busy Python
-thread a file-tier promotion took 15x as long as alone, 3x with this interval (`benchmarks/bench_host_callback.py`,
+thread a file-tier promotion takes 15x as long as alone, 3x with this interval (`benchmarks/bench_host_callback.py`,
 2-core CPU)."""
 
 
