@@ -5,8 +5,8 @@
 
 Each row reads its figures from its result files: the headline figure (median and min–max over the rounds where
 there are several, else "1 round"), wall clock beside GPU-active time where the file has both, what it is compared
-against, the device and commit the file records, and the command that wrote it (the file's own `command` or
-`calls`, else `COMMANDS` below). A row over two files compares an engine of the first file with one of the second,
+against, the device and commit the file records, and the command that writes it again (the file's own `command`
+or `calls`, else `COMMANDS` below). A row over two files compares an engine of the first file with one of the second,
 started one after the other on the same machine.
 """
 
@@ -517,7 +517,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
     ]),
 ]
 
-# The commands of the result files that record none (the files hold what the run measured, not how it was started).
+# The commands of the result files that record none, or whose recorded writer no longer times what they hold
+# (the multi-GPU tests now check exactness and bytes; their timing is benchmarks/bench_etp.py's).
 MEMORY = "python benchmarks/bench_serve.py --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
     "bench_lookup.json": "python benchmarks/bench_lookup.py",
@@ -526,6 +527,8 @@ COMMANDS = {
     "lookup_release_tp1_session29/bench_lookup.json": "bash tools/gpu_session.sh lookup-tp1",
     "bench_prefetch.json": "python -m benchmarks.bench_prefetch --repeats 3",
     "plan_memory.json": "python benchmarks/plan_memory.py --hot-rows-gib 1",
+    "etp_2gpu.json": "python -m benchmarks.bench_etp --gpus 2",
+    "etp_4gpu.json": "python -m benchmarks.bench_etp --gpus 4",
     "plan_memory_file_tier.json": "python benchmarks/plan_memory.py --config configs/release_config.json --host-table-gib 9.66",
     "peer_logprobs_eager.json": "python3 -m qwen4_exp_hcu.tiny /tmp/tiny && "
                                 "python3 benchmarks/peer_logprobs.py /tmp/tiny --out DIR --eager",
@@ -540,14 +543,17 @@ COMMANDS = {
 
 
 def commands(name: str, doc: dict) -> list[str]:
-    """How the file was written: its `command`, its `calls` (comments dropped), the test that wrote it, or COMMANDS."""
+    """How to write the file again: COMMANDS where it names the file, else the file's `command`, its `calls` (comments
+    dropped) or the test that wrote it."""
+    if name in COMMANDS:
+        return [COMMANDS[name]]
     if "command" in doc:
         return [doc["command"]]
     if "calls" in doc:
         return [re.split(r"\s{2,}[#(]", call)[0] for call in doc["calls"]]
     if "test" in doc:
         return [f"python3 -m pytest -s {doc['test'].partition('::')[0]} --results-dir benchmarks/results"]
-    return [COMMANDS[name]]
+    raise KeyError(f"{name} records no command: add it to COMMANDS")
 
 
 def device(doc: dict) -> str:
