@@ -79,11 +79,12 @@ REPEAT = TINY
 # decoding against none: calibrated against gross faults only (measured clean values go up to 0.019 / 0.137).
 WIDE = Tolerance(0.03, 0.3)
 # Prompts of 3k-8k tokens beyond the QSA budget (`test_vllm_long_context.py`: the tiny INT8 checkpoint with the
-# release's budget, 2048, on the H200, 2026-12-01): QSA clean, worst prompt 0.0071 / 0.027; the same engine with
-# dense attention over every token, the fault QSA guards against, 0.0125 / 0.052 at 8000 tokens and 0.0120 / 0.037 at
-# 5000. Random tiny weights attend almost uniformly, so which blocks QSA keeps moves logprobs little: the bounds sit
-# between the two.
-LONG = Tolerance(0.01, 0.04)
+# release's budget, its attention sharpened by `helpers.checkpoints.sharpen_attention` so that which blocks QSA
+# keeps matters). transformers' own bf16 run against its fp32 run, the noise a bf16 engine cannot avoid, at 3000 /
+# 5000 / 8000 tokens: 0.0097 / 0.050, 0.018 / 0.094, 0.0099 / 0.044; dense attention over every token, the fault
+# QSA guards against: 0.109 / 0.49, 0.145 / 0.48, 0.168 / 0.79 (`test_tolerances.py` holds the 3000-token pair).
+LONG = Tolerance(0.055, 0.3)
+LONG_FAULT_RATIO = 5  # the dense fault's mean error at least this many times the QSA run's, at every long prompt
 # Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
 # a fixed KV cache, since several engines may share the GPU.
 GPU_ENGINE = {
