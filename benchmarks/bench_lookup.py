@@ -1,7 +1,7 @@
 """Offloaded INT8 PLE lookup bandwidth on one GPU, every path side by side in one run.
 
-    python benchmarks/bench_lookup.py [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
-                                      [--out benchmarks/results]
+    python -m benchmarks.bench_lookup [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
+                                       [--out benchmarks/results]
 
 Table: INT8 rows of `--dim` bytes + one bf16 scale per row, sized to `--table-gb`, in pinned host memory
 (and a GPU-resident copy for the reference path). Row ids come from our n-gram hash (16 heads) over

@@ -75,7 +75,7 @@ PY
           | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \
           | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
-  lookup-tp1) python3 benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
+  lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
                 | grep -v "^ \|^{\|^}" | tail -40 ;;
   file-tier) python3 -m benchmarks.bench_file_tier --table-gb 8 --dir /tmp/file-tier --out "$OUT/file_tier" 2>&1 | tail -40 ;;
