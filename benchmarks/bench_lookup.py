@@ -107,8 +107,8 @@ def parse_args() -> argparse.Namespace:
 
 @dataclass
 class Setup:
-    """The table in pinned host memory (and its GPU copy and UVA views for the reference paths), the output and
-    staging buffers, and the requests' layout: what every lookup variant reads."""
+    """The table in pinned host memory (and its GPU copy and UVA views for the reference paths), the output buffer,
+    and the measured tokens' requests: what every lookup variant reads."""
 
     spec: NgramHashSpec
     T: int
@@ -134,7 +134,7 @@ class Setup:
         """Bytes a lookup reads for its result: a row and its scale per token and head."""
         return self.T * self.spec.num_heads * (self.spec.head_dim + 2)
 
-    def hash(self, tokens: torch.Tensor) -> torch.Tensor:
+    def row_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Row ids `[T, heads]` of the `T` measured tokens."""
         return ngram_hash(self.spec, tokens, self.qsl, self.ctx)
 
@@ -284,8 +284,10 @@ def calibrate(s: Setup, source: str, calib: torch.Tensor, hot: HotRows, traffic:
     """Both hot-row caches from a separate calibration stream of the same kind (never the measured tokens):
     `hot` filled from it, `traffic` refreshed from its counts (served traffic so far)."""
     calib = calib.cuda()
-    R, H = s.spec.rows, s.spec.num_heads
-    calib_ids = torch.randint(0, R, (calib.numel(), H), device="cuda") if source == "uniform" else ngram_hash(s.spec, calib, *layout(s.spec, calib.numel()))
+    if source == "uniform":
+        calib_ids = torch.randint(0, s.spec.rows, (calib.numel(), s.spec.num_heads), device="cuda")
+    else:
+        calib_ids = ngram_hash(s.spec, calib, *layout(s.spec, calib.numel()))
     hot.fill(calib_ids)
     traffic.counts.zero_()
     traffic.observe(calib_ids)
@@ -298,7 +300,7 @@ def measure_source(s: Setup, variants: dict, source: str, tokens: torch.Tensor, 
     timed against the default lookup, and the share of `ids` the calibrated hot-row cache serves."""
     hit_rate = float((hot.map[ids.flatten()] >= 0).float().mean())
     ref = gather_dequant(ids, s.w_gpu, s.s_gpu, 0, torch.empty_like(s.out)).clone()
-    hash_ms = do_bench(lambda: s.hash(tokens))
+    hash_ms = do_bench(lambda: s.row_ids(tokens))
     unique = torch.unique(ids).numel() / ids.numel()
     result = {"unique_row_fraction": unique, "hash_ms": hash_ms, "cache_hit_rate": hit_rate, "variants": {}}
     for name, fn in variants.items():
@@ -333,7 +335,7 @@ def main() -> None:
     results = {}
     for source, tokens in token_streams(args.tokens, gen).items():
         tok = tokens.cuda()
-        ids = ids_uniform if source == "uniform" else s.hash(tok)
+        ids = ids_uniform if source == "uniform" else s.row_ids(tok)
         calibrate(s, source, calib_streams[source], hot, traffic)
         results[source] = measure_source(s, variants, source, tok, ids, hot, bulk_gbs)
     params = {"table_bytes": table.nbytes, "rows": spec.rows, "dim": spec.head_dim, "heads": spec.num_heads,
@@ -356,7 +358,7 @@ def main() -> None:
         "results": results,
     }
     save(args.out, "bench_lookup", report, plot)
-    print(json.dumps({s: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for s, r in results.items()}, indent=1))
+    print(json.dumps({src: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for src, r in results.items()}, indent=1))
 
 
 def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generator) -> PLETable:
