@@ -9,7 +9,7 @@ newcomers one promotion reads.
 A promotion runs inside the lookup that triggers it. After long prefills every id they read is counted, and an
 uncapped promotion reads all those rows from the files at once (a page fault per row): that step stalls. The run:
 the prefills (natural text, benchmarks/data/text_tokens.safetensors), then `--steps` decode lookups per batch size,
-for each cap side by side on the same table files (`bench_file_tier`'s, written once, read once first so the
+for each cap side by side on the same table files (`common.write_table`'s, as bench_file_tier's, written once, read once first so the
 page cache is warm for both). Reported per phase: mean,
 median and largest ms per lookup, the promotions, and the slowest promotion's lookup. Then the same for a GPU
 hot-row cache in front of the files (`--hot-rows-share` of the rows, on the CPU here): one refresh after the
