@@ -457,6 +457,7 @@ def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fmt: str) -
     from qwen4_exp_hcu.tiny import write_random_tables
 
     text = grown_config(src, dst, model, fmt)
+    copy_side_files(src, dst)
     top, by_layer = small_tensors(src)
     weight_map = link_layers(by_layer, text, dst, layers_dir)
     weight_map.update(write_random_tables(dst, text, fmt))
@@ -467,10 +468,8 @@ def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fmt: str) -
 
 
 def grown_config(src: Path, dst: Path, model: dict, fmt: str):
-    """DST's config.json (SRC's at `model`'s depth and table size, declaring `fmt` where upstream names it) and side
-    files (the tokenizer's); returns its text config."""
-    import shutil
-
+    """DST's config.json: SRC's at `model`'s depth and table size, declaring `fmt` where upstream names it; returns
+    its text config."""
     from qwen4_exp_hcu.ple.formats.rows import FORMATS
     from qwen4_exp_hcu.tiny import load_config
 
@@ -480,10 +479,16 @@ def grown_config(src: Path, dst: Path, model: dict, fmt: str):
     if FORMATS[fmt].upstream_dtype:
         config["ple_embedding_dtype"] = FORMATS[fmt].upstream_dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return load_config(dst / "config.json")
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """SRC's files besides the weights, the config and the index (the tokenizer's, the generation config)."""
+    import shutil
+
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst / f.name)
-    return load_config(dst / "config.json")
 
 
 def small_tensors(src: Path) -> tuple[dict, dict[int, dict]]:
