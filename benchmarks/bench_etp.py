@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.bench_lookup import bench_config
+from benchmarks.common import bench_config, capture, time_ms
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.etp import TorchGroup
 from qwen4_exp_hcu.ple.layer import PLELayer
@@ -46,36 +45,6 @@ def topologies(rank: int, world: int) -> list[tuple]:
         pair, dp = TorchGroup(pairs[rank // 2]), rank // 2
         cases += [(f"tp2xdp{world // 2}", pair, False, dp, None), (f"tp2xdp{world // 2}_across", everyone, True, dp, pair)]
     return cases
-
-
-def capture(body, warmup=2):
-    """Eager warm-up on a side stream (Triton JIT, NCCL communicator and channels, allocator), then capture
-    `body`. capture_error_mode thread_local: the NCCL watchdog thread's event queries must not invalidate it."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        outs = body()
-    torch.cuda.synchronize()
-    return g, outs
-
-
-def time_ms(fn, iters):
-    """Median of per-call CUDA-event times on the current stream."""
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def bench_case(cfg, dev, group, across, dp, replica, tokens, iters) -> dict:

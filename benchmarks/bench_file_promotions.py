@@ -9,17 +9,18 @@ newcomers one promotion reads.
 A promotion runs inside the lookup that triggers it. After long prefills every id they read is counted, and an
 uncapped promotion reads all those rows from the files at once (a page fault per row): that step stalls. The run:
 the prefills (natural text, benchmarks/data/text_tokens.safetensors), then `--steps` decode lookups per batch size,
-for each cap side by side on the same table files (`bench_file_tier`'s, written once, read once first so the
+for each cap side by side on the same table files (`common.write_table`'s, as bench_file_tier's, written once, read once first so the
 page cache is warm for both). Reported per phase: mean,
 median and largest ms per lookup, the promotions, and the slowest promotion's lookup. Then the same for a GPU
 hot-row cache in front of the files (`--hot-rows-share` of the rows, on the CPU here): one refresh after the
 prefills, capped (`hot_rows.REFRESH_ROWS`) and not, its newcomers read from the files. Writes JSON + PNG.
 """
 
+
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -27,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
-from benchmarks.bench_lookup import bench_config, token_streams
+from benchmarks.common import DIM, HEADS, SHARDS, bench_config, load_table, save, token_streams, write_table
 from qwen4_exp_hcu.ple.tiers.file_rows import PROMOTE_ROWS, CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.tiers.hot_rows import REFRESH_ROWS, HotRows
@@ -37,7 +37,7 @@ from qwen4_exp_hcu.ple.storage import PLEStorage
 CAPS = {"uncapped": None, f"promote_rows={PROMOTE_ROWS}": PROMOTE_ROWS}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--table-gb", type=float, default=2.0)
     ap.add_argument("--share", type=float, default=0.2, help="share of the table's bytes kept resident")
@@ -47,59 +47,76 @@ def main() -> None:
     ap.add_argument("--hot-rows-share", type=float, default=0.1, help="GPU hot-row cache in front, share of the rows")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
-    cfg = bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM)
-    spec = NgramHashSpec.from_config(cfg, 0)
+    return ap.parse_args()
+
+
+def text_ids(args: argparse.Namespace, spec: NgramHashSpec) -> torch.Tensor:
+    """The row ids `[tokens, heads]` of one natural text in order, as long as every phase's lookups together."""
+    tokens = token_streams(sum(args.prefill) + sum(args.decode) * args.steps, torch.Generator().manual_seed(0))["text"]
+    context = torch.full((1, spec.context_len), spec.eos_token_id)
+    return ngram_ids(spec, tokens, torch.tensor([0, tokens.numel()]), context)
+
+
+def phases(args: argparse.Namespace, ids: torch.Tensor) -> list[tuple[str, list[torch.Tensor]]]:
+    """(name, lookups) in order: each prefill one lookup, then `--steps` decode lookups per batch size."""
+    out, at = [], 0
+    for n in args.prefill:
+        out.append((f"prefill {n}", [ids[at : at + n]]))
+        at += n
+    for b in args.decode:
+        out.append((f"decode b={b}", list(ids[at : at + b * args.steps].reshape(args.steps, b, HEADS))))
+        at += b * args.steps
+    return out
+
+
+def measure_phase(table, cap_name: str, phase: str, steps: list[torch.Tensor]) -> dict:
+    """Host ms of each lookup's staging, and those of the lookups that promoted."""
+    ms, promoted = [], []
+    for step in steps:
+        before = table.file_rows.refreshes
+        t0 = time.perf_counter()
+        table.file_rows.stage(step)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        if table.file_rows.refreshes > before:
+            promoted.append(ms[-1])
+    r = dict(cap=cap_name, phase=phase, lookups=len(ms), mean_ms=float(np.mean(ms)), median_ms=float(np.median(ms)),
+             max_ms=float(np.max(ms)), promotions=len(promoted), slowest_promotion_ms=max(promoted, default=0.0),
+             resident_share=table.file_rows.share)  # fmt: skip
+    print(f"{cap_name:20} {phase:15} mean {r['mean_ms']:8.3f} ms  median {r['median_ms']:7.3f}  max {r['max_ms']:8.1f}  "
+          f"promotions {len(promoted)} (slowest {r['slowest_promotion_ms']:.1f} ms)", flush=True)  # fmt: skip
+    return r
+
+
+def main() -> None:
+    args = parse_args()
+    spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM), 0)
     rows, shard_rows = spec.rows, -(-spec.rows // SHARDS)
     directory = Path(args.dir) / f"{args.table_gb:g}gb"
     write_table(directory, rows, shard_rows)
-    tokens = token_streams(sum(args.prefill) + sum(args.decode) * args.steps, torch.Generator().manual_seed(0))["text"]
-    context = torch.full((1, spec.context_len), cfg.eos_token_id)
-    ids = ngram_ids(spec, tokens, torch.tensor([0, tokens.numel()]), context)  # [tokens, heads], one text in order
-    phases, at = [], 0
-    for n in args.prefill:
-        phases.append((f"prefill {n}", [ids[at : at + n]]))
-        at += n
-    for b in args.decode:
-        phases.append((f"decode b={b}", list(ids[at : at + b * args.steps].reshape(args.steps, b, HEADS))))
-        at += b * args.steps
-    bytes_ = rows * (DIM + 2)
+    ids = text_ids(args, spec)
     for f in directory.glob("*.safetensors"):  # page cache warm for both caps: the first would pay it alone
         f.read_bytes()
     results, hot_rows = [], []
     for cap_name, cap in CAPS.items():
-        tier = FileTier(CheckpointFiles(directory), int(args.share * bytes_), promote_rows=cap, staging_rows=max(args.prefill) * HEADS)
-        table = load(directory, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
-        for phase, steps in phases:
-            ms, promoted = [], []
-            for step in steps:
-                before = table.file_rows.refreshes
-                t0 = time.perf_counter()
-                table.file_rows.stage(step)
-                ms.append((time.perf_counter() - t0) * 1e3)
-                if table.file_rows.refreshes > before:
-                    promoted.append(ms[-1])
-            r = dict(cap=cap_name, phase=phase, lookups=len(ms), mean_ms=float(np.mean(ms)), median_ms=float(np.median(ms)),
-                     max_ms=float(np.max(ms)), promotions=len(promoted), slowest_promotion_ms=max(promoted, default=0.0),
-                     resident_share=table.file_rows.share)  # fmt: skip
-            results.append(r)
-            print(f"{cap_name:20} {phase:15} mean {r['mean_ms']:8.3f} ms  median {r['median_ms']:7.3f}  max {r['max_ms']:8.1f}  "
-                  f"promotions {len(promoted)} (slowest {r['slowest_promotion_ms']:.1f} ms)", flush=True)  # fmt: skip
+        tier = FileTier(CheckpointFiles(directory), int(args.share * rows * (DIM + 2)), promote_rows=cap,
+                        staging_rows=max(args.prefill) * HEADS)  # fmt: skip
+        table = load_table(directory, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
+        results += [measure_phase(table, cap_name, phase, steps) for phase, steps in phases(args, ids)]
         hot_rows.append(hot_row_refresh(table, ids[: sum(args.prefill)], args.hot_rows_share, capped=cap is not None))
         del table
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {
+    save(args.out, "file_promotions", report(args, rows, results, hot_rows), plot)
+
+
+def report(args: argparse.Namespace, rows: int, results: list[dict], hot_rows: list[dict]) -> dict:
+    return {
         "command": f"python -m benchmarks.bench_file_promotions --table-gb {args.table_gb:g} --share {args.share:g} "
                    f"--hot-rows-share {args.hot_rows_share:g} "
                    f"--prefill {' '.join(map(str, args.prefill))} --decode {' '.join(map(str, args.decode))} --steps {args.steps}",
-        "machine": {"cpu": platform.processor() or "cpu", "cpus": __import__("os").cpu_count(), "torch": torch.__version__},
-        "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": bytes_, "share": args.share},
+        "machine": {"cpu": platform.processor() or "cpu", "cpus": os.cpu_count(), "torch": torch.__version__},
+        "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": rows * (DIM + 2), "share": args.share},
         "results": results,
         "hot_row_refresh": hot_rows,
     }  # fmt: skip
-    (out / "file_promotions.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / "file_promotions.png")
 
 
 def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, capped: bool) -> dict:
@@ -126,9 +143,6 @@ def hot_row_refresh(table, prefill_ids: torch.Tensor, share: float, capped: bool
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     phases = list(dict.fromkeys(r["phase"] for r in report["results"]))

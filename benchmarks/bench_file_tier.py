@@ -19,50 +19,26 @@ come from the calibration ids it does not serve (results carry `hot_rows`, files
 Writes JSON + PNG into `--out`.
 """
 
+
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from benchmarks.bench_lookup import bench_config, token_streams
-from benchmarks import drop_page_cache
+from benchmarks.common import (DIM, HEADS, SHARDS, bench_config, drop_page_cache, load_table, save, token_streams,
+                               write_table)
 from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
-HEADS, DIM, SHARDS = 16, 160, 16
-NAME = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_{}.weight"
 SHARES = (1.0, 0.5, 0.2, 0.05)
-
-
-def write_table(directory: Path, rows: int, shard_rows: int) -> None:
-    """Random INT8 rows + bf16 scales, one safetensors file per shard (written once, reused)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(0)
-    for j in range(-(-rows // shard_rows)):
-        path = directory / f"model-{j:05d}.safetensors"
-        if path.exists():
-            continue
-        n = min(shard_rows, rows - j * shard_rows)
-        w = torch.randint(-127, 128, (n, DIM), dtype=torch.int8, generator=gen)
-        s = (torch.rand(n, 1, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
-        save_file({NAME.format(j): w, NAME.format(j) + "_scale": s}, str(path))
-
-
-def load(directory: Path, rows: int, shard_rows: int, storage: PLEStorage) -> PLETable:
-    table = PLETable(rows, DIM, storage, shard_rows=shard_rows)
-    for j, path in enumerate(sorted(directory.glob("*.safetensors"))):
-        t = load_file(path)
-        table.load_shard(j, t[NAME.format(j)], t[NAME.format(j) + "_scale"], name=NAME.format(j))
-    table.check_loaded()
-    return table
 
 
 def waiter(ids: torch.Tensor):
@@ -93,7 +69,7 @@ def timed_staging(table: PLETable, steps: list[torch.Tensor]) -> float:
     return (time.perf_counter() - t0) / len(steps)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--table-gb", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=256)
@@ -102,77 +78,119 @@ def main() -> None:
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@dataclass
+class Setup:
+    """The table on disk, the whole of it in host memory, and the command line."""
+
+    args: argparse.Namespace
+    device: str
+    spec: NgramHashSpec
+    directory: Path
+    shard_rows: int
+    whole: PLETable | None = None
+
+    @property
+    def useful(self) -> int:
+        """Bytes a lookup reads for its result: a row and its scale per token and head."""
+        return self.args.tokens * HEADS * (DIM + 2)
+
+    def table(self, storage: PLEStorage) -> PLETable:
+        return load_table(self.directory, self.spec.rows, self.shard_rows, storage)
+
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The row ids of `tokens` as one request from a fresh context: `[tokens, HEADS]` on the device."""
+        context = torch.full((1, self.spec.context_len), self.spec.eos_token_id, device=self.device)
+        qsl = torch.tensor([0, tokens.numel()], device=self.device)
+        return ngram_ids(self.spec, tokens.to(self.device), qsl, context)
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """The table written under `--dir` (once per size) and loaded whole into host memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.hot_rows_share and device == "cpu":
         raise SystemExit("--hot-rows-share: the hot-row cache lives in accelerator memory; this machine has none.")
-    cfg = bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM)
-    spec = NgramHashSpec.from_config(cfg, 0)
-    rows, shard_rows = spec.rows, -(-spec.rows // SHARDS)
-    directory = Path(args.dir) / f"{args.table_gb:g}gb"
-    write_table(directory, rows, shard_rows)
-    gen = torch.Generator().manual_seed(0)
-    n = args.tokens * args.steps
-    streams = token_streams(n + args.calib_tokens, gen)
-    context = torch.full((1, spec.context_len), cfg.eos_token_id)
+    spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (DIM + 2), HEADS // 2, DIM), 0)
+    run = Setup(args, device, spec, Path(args.dir) / f"{args.table_gb:g}gb", -(-spec.rows // SHARDS))
+    write_table(run.directory, spec.rows, run.shard_rows)
+    run.whole = run.table(PLEStorage("int8", device=device, host=True))
+    return run
 
-    def ids_of(tokens):
-        return ngram_ids(spec, tokens.to(device), torch.tensor([0, tokens.numel()], device=device), context.to(device))
 
-    whole = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True))
-    useful = args.tokens * HEADS * (DIM + 2)
+def file_tier_table(run: Setup, share: float, calibration: torch.Tensor) -> tuple[PLETable, int]:
+    """The table with `share` of its bytes resident and the rest read from the files, its resident rows (and, with
+    `--hot-rows-share`, a GPU hot-row cache in front) chosen from `calibration`; and how many calibration ids the
+    resident rows serve."""
+    tier = FileTier(CheckpointFiles(run.directory), int(share * run.whole.nbytes), refresh_every=0,
+                    staging_rows=run.args.tokens * HEADS)  # fmt: skip
+    table = run.table(PLEStorage("int8", device=run.device, host=True, file_tier=tier))
+    if run.args.hot_rows_share:  # the GPU cache takes the most frequent rows; host memory the next ones
+        table.enable_hot_rows(max(1, int(run.args.hot_rows_share * run.spec.rows))).fill(calibration)
+    return table, table.fill_resident_rows(calibration)
+
+
+def measure_share(run: Setup, stream: str, share: float, steps: list[torch.Tensor], calibration: torch.Tensor,
+                  base: float) -> list[dict]:  # fmt: skip
+    """The lookups of `steps` with `share` of the table resident, cold (the files' page cache dropped) then warm,
+    checked against the whole table; `base`: the whole table's seconds per lookup."""
+    table, served = file_tier_table(run, share, calibration)
+    ids = torch.stack(steps).reshape(-1)
+    hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.cpu() - table.start] >= 0).float().mean())
+    resident = int((table.file_rows.slot_row >= 0).sum())  # below the slots: the calibration, not the budget, binds
+    gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
+    assert all(torch.equal(table.lookup(s), run.whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
+    for f in run.directory.glob("*.safetensors"):
+        drop_page_cache(f)
     results = []
-    for stream, tokens in streams.items():
-        ids = ids_of(tokens[:n])
-        steps = list(ids.reshape(args.steps, args.tokens, HEADS))
-        calibration = ids_of(tokens[n:])  # the same stream's tokens that follow the measured ones
-        base = timed_lookups(whole, steps)
-        results.append(dict(stream=stream, share=None, phase="whole", s=base, gbps=useful / base / 1e9))
-        print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {useful / base / 1e9:6.2f} GB/s", flush=True)
-        for share in SHARES:
-            tier = FileTier(CheckpointFiles(directory), int(share * whole.nbytes), refresh_every=0,
-                            staging_rows=args.tokens * HEADS)  # fmt: skip
-            table = load(directory, rows, shard_rows, PLEStorage("int8", device=device, host=True, file_tier=tier))
-            if args.hot_rows_share:  # the GPU cache takes the most frequent rows; host memory the next ones
-                table.enable_hot_rows(max(1, int(args.hot_rows_share * rows))).fill(calibration)
-            served = table.fill_resident_rows(calibration)
-            hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.reshape(-1).cpu() - table.start] >= 0).float().mean())
-            resident = int((table.file_rows.slot_row >= 0).sum())  # below the slots: the calibration, not the budget, binds
-            gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
-            assert all(torch.equal(table.lookup(s), whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
-            for f in directory.glob("*.safetensors"):
-                drop_page_cache(f)
-            for phase in ("cold", "warm"):
-                t = timed_lookups(table, steps)
-                staging = timed_staging(table, steps)
-                results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=useful / t / 1e9,
-                                    vs_whole=base / t, staging_s=staging, resident_hits=hits, calibration_served=served,
-                                    resident_rows=resident, slots=table.file_rows.slots,
-                                    hot_rows=args.hot_rows_share, gpu_hits=gpu_hits))  # fmt: skip
-                print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {useful / t / 1e9:6.2f} GB/s  "
-                      f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  "
-                      f"resident {resident}/{table.file_rows.slots} rows", flush=True)  # fmt: skip
-            del table
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"file_tier_{device}" + ("_hot" if args.hot_rows_share else "")
-    report = {
+    for phase in ("cold", "warm"):
+        t = timed_lookups(table, steps)
+        staging = timed_staging(table, steps)
+        results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=run.useful / t / 1e9, vs_whole=base / t,
+                            staging_s=staging, resident_hits=hits, calibration_served=served, resident_rows=resident,
+                            slots=table.file_rows.slots, hot_rows=run.args.hot_rows_share, gpu_hits=gpu_hits))  # fmt: skip
+        print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {run.useful / t / 1e9:6.2f} GB/s  "
+              f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  "
+              f"resident {resident}/{table.file_rows.slots} rows", flush=True)  # fmt: skip
+    return results
+
+
+def measure_stream(run: Setup, stream: str, tokens: torch.Tensor) -> list[dict]:
+    """The whole table's lookups of the stream's first `--steps` x `--tokens` tokens, then every share's; the
+    resident rows are chosen from the same stream's tokens that follow the measured ones."""
+    n = run.args.tokens * run.args.steps
+    steps = list(run.ids(tokens[:n]).reshape(run.args.steps, run.args.tokens, HEADS))
+    calibration = run.ids(tokens[n:])
+    base = timed_lookups(run.whole, steps)
+    print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {run.useful / base / 1e9:6.2f} GB/s", flush=True)
+    results = [dict(stream=stream, share=None, phase="whole", s=base, gbps=run.useful / base / 1e9)]
+    for share in SHARES:
+        results += measure_share(run, stream, share, steps, calibration, base)
+    return results
+
+
+def report(run: Setup, results: list[dict]) -> dict:
+    args = run.args
+    return {
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
                    f"--steps {args.steps} --calib-tokens {args.calib_tokens}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else ""),
-        "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                    "cpus": __import__("os").cpu_count(), "torch": torch.__version__},  # fmt: skip
-        "table": {"rows": rows, "heads": HEADS, "dim": DIM, "bytes": whole.nbytes, "shards": SHARDS},
+        "machine": {"device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",
+                    "cpus": os.cpu_count(), "torch": torch.__version__},
+        "table": {"rows": run.spec.rows, "heads": HEADS, "dim": DIM, "bytes": run.whole.nbytes, "shards": SHARDS},
         "tokens_per_step": args.tokens, "steps": args.steps, "results": results,
-    }
-    (out / f"{tag}.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / f"{tag}.png")
+    }  # fmt: skip
+
+
+def main() -> None:
+    run = setup(parse_args())
+    streams = token_streams(run.args.tokens * run.args.steps + run.args.calib_tokens, torch.Generator().manual_seed(0))
+    results = [r for stream, tokens in streams.items() for r in measure_stream(run, stream, tokens)]
+    save(run.args.out, f"file_tier_{run.device}" + ("_hot" if run.args.hot_rows_share else ""), report(run, results), plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))

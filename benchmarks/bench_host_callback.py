@@ -23,8 +23,7 @@ from statistics import median
 
 import torch
 
-from benchmarks import save
-from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
+from benchmarks.common import DIM, HEADS, SHARDS, load_table, save, write_table
 from qwen4_exp_hcu.ple.tiers import host_call
 from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
 from qwen4_exp_hcu.ple.storage import PLEStorage
@@ -40,7 +39,7 @@ def promotion_ms(table_dir: Path, rows: int, shard_rows: int, args, busy: bool) 
     """ms of the lookup whose C host function promotes (the `refresh_every`-th), run on a worker thread as the
     driver runs it, with the calling thread spinning Python meanwhile when `busy`."""
     tier = FileTier(CheckpointFiles(table_dir), int(0.2 * rows * (DIM + 2)), refresh_every=args.refresh_every, staging_rows=HEADS * args.tokens)
-    table = load(table_dir, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
+    table = load_table(table_dir, rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
     gen = torch.Generator().manual_seed(0)
     lookups = [torch.randint(0, rows, (args.tokens, HEADS), generator=gen) for _ in range(args.refresh_every)]
     for ids in lookups[:-1]:

@@ -2,7 +2,7 @@
 `kernels.hyper_connection` and `kernels.down_silu`, side by side in one run, each replayed as a CUDA graph (what a
 FULL_DECODE_ONLY decode step is) and, for prefill sizes (eager in that mode), eagerly too.
 
-    python benchmarks/bench_hyper_connection.py [--tokens 1 4 8 32 48 256 4096 16384] [--weights 16] [--sweep]
+    python -m benchmarks.bench_hyper_connection [--tokens 1 4 8 32 48 256 4096 16384] [--weights 16] [--sweep]
                                                 [--out benchmarks/results/hyper_connection]
 
 Both variants run the same block: the pending injection fused into (kernels) or ahead of (torch) the grouped
@@ -278,7 +278,7 @@ def main() -> None:
         "shape": {"hc": HC, "hidden": HIDDEN, "rank": RANK, "dtype": "bfloat16"},
         "weights": args.weights,
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__},
-        "command": f"python benchmarks/bench_hyper_connection.py --tokens {' '.join(map(str, args.tokens))} "
+        "command": f"python -m benchmarks.bench_hyper_connection --tokens {' '.join(map(str, args.tokens))} "
                    f"--weights {args.weights}" + (" --sweep" if args.sweep else ""),
         "results": results,
     }  # fmt: skip

@@ -1,7 +1,7 @@
 """Offloaded INT8 PLE lookup bandwidth on one GPU, every path side by side in one run.
 
-    python benchmarks/bench_lookup.py [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
-                                      [--out benchmarks/results]
+    python -m benchmarks.bench_lookup [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
+                                       [--out benchmarks/results]
 
 Table: INT8 rows of `--dim` bytes + one bf16 scale per row, sized to `--table-gb`, in pinned host memory
 (and a GPU-resident copy for the reference path). Row ids come from our n-gram hash (16 heads) over
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from benchmarks.common import bench_config, save, token_streams
 from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
@@ -33,33 +35,8 @@ from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
-REAL_VOCAB = 248_320
-
-
-def bench_config(rows_target: int, heads_per_ngram: int, dim: int) -> SimpleNamespace:
-    """A PLE config with the real hash (N=3, vocab 248 320, hc 4, hidden 2048) whose per-head prime
-    sizes give the table ~rows_target rows."""
-    heads = 2 * heads_per_ngram
-    return SimpleNamespace(
-        vocab_size=REAL_VOCAB, hidden_size=heads * dim, ple_embed_dim=heads * dim, ngram_size=3,
-        heads_per_ngram=heads_per_ngram, ngram_vocab_size_base=rows_target // heads,
-        make_ngram_vocab_size_divisible_by=128, seed=1234, ple_layer_ids=[1], layer_types=["linear_attention"],
-        num_hidden_layers=1, eos_token_id=REAL_VOCAB - 1, hc_count=4, ple_conv_kernel_size=4,
-        split_ngram_parts=512, rms_norm_eps=1e-6,
-    )
-
-
-def token_streams(n: int, gen: torch.Generator, offset: int = 0) -> dict[str, torch.Tensor]:
-    ranks = torch.arange(1, REAL_VOCAB + 1, dtype=torch.float64)
-    zipf = torch.randperm(REAL_VOCAB, generator=gen)[torch.multinomial(ranks.pow(-1.1), n, True, generator=gen)]
-    streams = {"uniform": torch.randint(0, REAL_VOCAB, (n,), generator=gen), "zipf1.1": zipf}
-    text = Path(__file__).parent / "data" / "text_tokens.safetensors"
-    if text.exists():
-        from safetensors.torch import load_file
-
-        toks = load_file(text)["tokens"].long()
-        streams["text"] = toks.roll(-offset).repeat(-(-n // toks.numel()))[:n]  # calibration: the text after
-    return streams
+CHUNK = 1 << 24  # rows copied at a time into a pinned table
+DEFAULT = "fused, sorted ids (ours, default)"
 
 
 @triton.jit
@@ -106,7 +83,7 @@ def uva_view(t: torch.Tensor) -> torch.Tensor:
     return view.view(torch.bfloat16) if t.dtype == torch.bfloat16 else view
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--table-gb", type=float, default=12.0)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -125,169 +102,253 @@ def main() -> None:
     args = ap.parse_args()
     if args.huge_pages and not args.one_host_copy:
         ap.error("--huge-pages puts the one host copy on 2 MiB pages: the default run measures them on a second copy")
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    D, T = args.dim, args.tokens
-    spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
-    R, H = spec.rows, spec.num_heads
+    return args
+
+
+@dataclass
+class Setup:
+    """The table in pinned host memory (and its GPU copy and UVA views for the reference paths), the output buffer,
+    and the measured tokens' requests: what every lookup variant reads."""
+
+    spec: NgramHashSpec
+    T: int
+    table: PLETable
+    w_gpu: torch.Tensor
+    s_gpu: torch.Tensor
+    w_uva: torch.Tensor
+    s_uva: torch.Tensor
+    out: torch.Tensor
+    qsl: torch.Tensor  # the measured tokens' requests (`layout`)
+    ctx: torch.Tensor
+
+    @property
+    def w_host(self) -> torch.Tensor:
+        return self.table.weight
+
+    @property
+    def s_host(self) -> torch.Tensor:
+        return self.table.scale
+
+    @property
+    def useful(self) -> int:
+        """Bytes a lookup reads for its result: a row and its scale per token and head."""
+        return self.T * self.spec.num_heads * (self.spec.head_dim + 2)
+
+    def row_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Row ids `[T, heads]` of the `T` measured tokens."""
+        return ngram_hash(self.spec, tokens, self.qsl, self.ctx)
+
+
+def layout(spec: NgramHashSpec, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`query_start_loc` of `tokens` in requests of 1024, and each request's fresh n-gram context."""
+    qsl = torch.arange(0, tokens + 1, 1024, device="cuda", dtype=torch.int32)
+    return qsl, torch.full((qsl.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
+
+
+def pinned_table(args: argparse.Namespace, spec: NgramHashSpec, gen: torch.Generator) -> tuple[PLETable, dict]:
+    """The INT8 table of random rows pinned in host memory, and where its pages went (NUMA)."""
     t0 = time.time()
     numa_before = numa_nodes()
-    table = PLETable(R, D, PLEStorage("int8", "cuda", host=True, huge_pages=args.huge_pages))
-    w_host, s_host = table.weight, table.scale
-    chunk = 1 << 24
-    pattern = torch.randint(-127, 128, (chunk, D), dtype=torch.int8, generator=gen)
-    for a in range(0, R, chunk):
-        w_host[a : a + chunk].copy_(pattern[: min(chunk, R - a)])
-    s_host.copy_((torch.rand(R, 1, generator=gen) * 0.02).to(torch.bfloat16))
-    table_bytes = w_host.nbytes + s_host.nbytes
-    print(f"table {R} rows x {D} B = {table_bytes / 1e9:.2f} GB pinned in {time.time() - t0:.0f}s: {table.describe()}", flush=True)
+    table = PLETable(spec.rows, spec.head_dim, PLEStorage("int8", "cuda", host=True, huge_pages=args.huge_pages))
+    pattern = torch.randint(-127, 128, (CHUNK, spec.head_dim), dtype=torch.int8, generator=gen)
+    for a in range(0, spec.rows, CHUNK):
+        table.weight[a : a + CHUNK].copy_(pattern[: min(CHUNK, spec.rows - a)])
+    table.scale.copy_((torch.rand(spec.rows, 1, generator=gen) * 0.02).to(torch.bfloat16))
+    print(f"table {spec.rows} rows x {spec.head_dim} B = {table.nbytes / 1e9:.2f} GB pinned in {time.time() - t0:.0f}s: "
+          f"{table.describe()}", flush=True)  # fmt: skip
     numa = {"gpu_node": gpu_numa_node(), "table_GB_by_node": {n: round((numa_before[n] - free) / 1e9, 2)
                                                               for n, free in numa_nodes().items()}}  # fmt: skip
     print(f"NUMA: {numa}", flush=True)
+    return table, numa
 
+
+def bulk_copy_gbs() -> float:
+    """GB/s of one 2 GiB pinned host -> GPU copy: the bound a lookup's useful bytes are compared with."""
     bulk = torch.empty(1 << 31, dtype=torch.int8, pin_memory=True)
     bulk_gpu = torch.empty_like(bulk, device="cuda")
-    bulk_gbs = bulk.nbytes / do_bench(lambda: bulk_gpu.copy_(bulk, non_blocking=True)) / 1e6
-    del bulk, bulk_gpu
-    w_gpu, s_gpu = w_host.cuda(), s_host.cuda()
-    w_uva, s_uva = uva_view(w_host), uva_view(s_host)
-    useful = T * H * (D + 2)
+    return bulk.nbytes / do_bench(lambda: bulk_gpu.copy_(bulk, non_blocking=True)) / 1e6
 
-    qsl = torch.arange(0, T + 1, 1024, device="cuda", dtype=torch.int32)
-    ctx = torch.full((qsl.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
-    out = torch.empty(T, H * D, dtype=torch.bfloat16, device="cuda")
-    stage_w = torch.empty(T * H, D, dtype=torch.int8, pin_memory=True)
-    stage_s = torch.empty(T * H, 1, dtype=torch.bfloat16, pin_memory=True)
 
-    # tuning sweeps of the fused kernel (uniform ids), ids as they come and sorted
-    ids_uniform = torch.randint(0, R, (T, H), device="cuda")
+def tuning_sweeps(s: Setup, ids: torch.Tensor) -> tuple[dict, dict]:
+    """GB/s of the fused kernel per launch config on `ids`, as they come (False) and sorted (True); and each one's
+    best config."""
     sweeps = {False: {}, True: {}}
     for sort in (False, True):
         for bp in (1, 2, 4, 8, 16, 32, 64, 128):  # 1 and 2: the 52 GB TP1 table reads best at 4, so below it too
             for nw in (1, 2, 4, 8, 16):
-                fn = lambda: gather_dequant(ids_uniform, w_host, s_host, 0, out, block_p=bp, num_warps=nw, sort=sort)
-                sweeps[sort][f"block_p={bp},warps={nw}"] = useful / do_bench(fn) / 1e6
+                fn = lambda: gather_dequant(ids, s.w_host, s.s_host, 0, s.out, block_p=bp, num_warps=nw, sort=sort)  # noqa: E731
+                sweeps[sort][f"block_p={bp},warps={nw}"] = s.useful / do_bench(fn) / 1e6
     best = {sort: max(sw, key=sw.get) for sort, sw in sweeps.items()}
     tuned = {sort: dict(zip(("block_p", "num_warps"), (int(kv.split("=")[1]) for kv in b.split(",")))) for sort, b in best.items()}
     print(f"best fused config {best[False]}: {sweeps[False][best[False]]:.2f} GB/s; "
           f"sorted {best[True]}: {sweeps[True][best[True]]:.2f} GB/s", flush=True)
+    return sweeps, tuned
 
-    huge = packed = None
-    if not args.one_host_copy:
-        # the same rows on 2 MiB pages (--engram-config.use_thp): hugetlb when reserved, else THP
-        huge = PLETable(R, D, PLEStorage("int8", "cuda", host=True, huge_pages=True))
-        for a in range(0, R, chunk):
-            huge.weight[a : a + chunk].copy_(w_host[a : a + chunk])
-        huge.scale.copy_(s_host)
-        print(f"2 MiB-page copy: {huge.describe()}", flush=True)
-        try:
-            packed = torch.empty(R, D + 2, dtype=torch.int8, pin_memory=True)
-            for a in range(0, R, chunk):
-                b = min(a + chunk, R)
-                packed[a:b, :D].copy_(w_host[a:b])
-                packed[a:b, D:].copy_(s_host[a:b].view(torch.int8).view(b - a, 2))
-        except RuntimeError as e:  # host memory
-            print("packed variant skipped:", e)
-            packed = None
 
-    def earlier(ids):
-        e = F.embedding(ids, w_uva).float() * F.embedding(ids, s_uva).float()
-        out.copy_(e.to(torch.bfloat16).view(T, H * D))
+def second_copies(s: Setup) -> tuple[PLETable, torch.Tensor | None]:
+    """The same rows on 2 MiB pages (`--engram-config.use_thp`: hugetlb when reserved, else THP), and with each
+    scale beside its row ([rows, D + 2] bytes; None where host memory runs out)."""
+    R, D = s.spec.rows, s.spec.head_dim
+    huge = PLETable(R, D, PLEStorage("int8", "cuda", host=True, huge_pages=True))
+    for a in range(0, R, CHUNK):
+        huge.weight[a : a + CHUNK].copy_(s.w_host[a : a + CHUNK])
+    huge.scale.copy_(s.s_host)
+    print(f"2 MiB-page copy: {huge.describe()}", flush=True)
+    try:
+        packed = torch.empty(R, D + 2, dtype=torch.int8, pin_memory=True)
+        for a in range(0, R, CHUNK):
+            b = min(a + CHUNK, R)
+            packed[a:b, :D].copy_(s.w_host[a:b])
+            packed[a:b, D:].copy_(s.s_host[a:b].view(torch.int8).view(b - a, 2))
+    except RuntimeError as e:  # host memory
+        print("packed variant skipped:", e)
+        packed = None
+    return huge, packed
 
-    def vllm_style(ids):
-        flat = ids.view(-1)
-        rows, sc = w_uva.index_select(0, flat), s_uva.index_select(0, flat)
-        out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
 
-    unique_rows = torch.empty(T * H, D, dtype=torch.bfloat16, device="cuda")
+def fused_variants(s: Setup, tuned: dict, hot: HotRows, traffic: HotRows) -> dict:
+    """Our fused gather + dequant from the host table: tuned unsorted, the library's default, each row read once,
+    and with a GPU hot-row cache filled from calibration or from the traffic."""
+    T, HD = s.T, s.spec.num_heads * s.spec.head_dim
+    unique_rows = torch.empty(T * s.spec.num_heads, s.spec.head_dim, dtype=torch.bfloat16, device="cuda")
     no_sort = {k: v for k, v in PLETable.HOST_TUNING.items() if k != "sort"}
 
     def dedup(ids):
         """Each distinct row read once (torch.unique sorts), then expanded; unique's size is a host sync."""
         rows, inverse = torch.unique(ids.view(-1), return_inverse=True)
-        got = gather_dequant(rows.view(-1, 1), w_host, s_host, 0, unique_rows[: rows.numel()], **no_sort)
-        out.copy_(got[inverse].view(T, H * D))
+        got = gather_dequant(rows.view(-1, 1), s.w_host, s.s_host, 0, unique_rows[: rows.numel()], **no_sort)
+        s.out.copy_(got[inverse].view(T, HD))
+
+    return {
+        "fused, ids as they come (ours)": lambda ids: gather_dequant(ids, s.w_host, s.s_host, 0, s.out, **tuned[False]),
+        DEFAULT: lambda ids: gather_dequant(ids, s.w_host, s.s_host, 0, s.out, **PLETable.HOST_TUNING),
+        "fused, sorted + dedup (ours; host sync)": dedup,
+        "fused, sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
+            ids, s.w_host, s.s_host, 0, s.out, cache=hot.tensors, **PLETable.HOST_TUNING
+        ),
+        "fused, sorted + hot rows from traffic (serving: counted every lookup)": lambda ids: (
+            traffic.observe(ids), gather_dequant(ids, s.w_host, s.s_host, 0, s.out, cache=traffic.tensors, **PLETable.HOST_TUNING)
+        ),
+    }
+
+
+def other_variants(s: Setup) -> dict:
+    """The paths ours replaces: F.embedding over UVA views, vLLM's row copy then dequant, a host gather + copy."""
+    T, H, D = s.T, s.spec.num_heads, s.spec.head_dim
+    stage_w = torch.empty(T * H, D, dtype=torch.int8, pin_memory=True)
+    stage_s = torch.empty(T * H, 1, dtype=torch.bfloat16, pin_memory=True)
+
+    def earlier(ids):
+        e = F.embedding(ids, s.w_uva).float() * F.embedding(ids, s.s_uva).float()
+        s.out.copy_(e.to(torch.bfloat16).view(T, H * D))
+
+    def vllm_style(ids):
+        flat = ids.view(-1)
+        rows, sc = s.w_uva.index_select(0, flat), s.s_uva.index_select(0, flat)
+        s.out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
 
     def host_staging(ids):
         flat = ids.view(-1).cpu()
-        torch.index_select(w_host, 0, flat, out=stage_w)
-        torch.index_select(s_host, 0, flat, out=stage_s)
+        torch.index_select(s.w_host, 0, flat, out=stage_w)
+        torch.index_select(s.s_host, 0, flat, out=stage_s)
         rows, sc = stage_w.cuda(non_blocking=True), stage_s.cuda(non_blocking=True)
-        out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
+        s.out.copy_((rows.float() * sc.float()).to(torch.bfloat16).view(T, H * D))
 
+    return {"earlier impl (F.embedding on UVA)": earlier, "vLLM-style (row copy, then dequant)": vllm_style,
+            "host gather + H2D": host_staging}  # fmt: skip
+
+
+def placement_variants(s: Setup, tuned: dict, huge: PLETable | None, packed: torch.Tensor | None) -> dict:
+    """The same lookup with the table elsewhere: in GPU memory, its scales there, on 2 MiB pages, scale beside row."""
+    tuning = PLETable.HOST_TUNING
     variants = {
-        "fused, ids as they come (ours)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **tuned[False]),
-        "fused, sorted ids (ours, default)": lambda ids: gather_dequant(ids, w_host, s_host, 0, out, **PLETable.HOST_TUNING),
-        "fused, sorted + dedup (ours; host sync)": dedup,
-        "fused, sorted + GPU hot-row cache (ours)": lambda ids: gather_dequant(
-            ids, w_host, s_host, 0, out, cache=hot.tensors, **PLETable.HOST_TUNING
-        ),
-        "fused, sorted + hot rows from traffic (serving: counted every lookup)": lambda ids: (
-            traffic.observe(ids), gather_dequant(ids, w_host, s_host, 0, out, cache=traffic.tensors, **PLETable.HOST_TUNING)
-        ),
-        "earlier impl (F.embedding on UVA)": earlier,
-        "vLLM-style (row copy, then dequant)": vllm_style,
-        "host gather + H2D": host_staging,
-        "GPU-resident (ours)": lambda ids: gather_dequant(ids, w_gpu, s_gpu, 0, out, **PLETable.DEVICE_TUNING),
-        "fused, sorted, scales on the GPU": lambda ids: gather_dequant(ids, w_host, s_gpu, 0, out, **PLETable.HOST_TUNING),
+        "GPU-resident (ours)": lambda ids: gather_dequant(ids, s.w_gpu, s.s_gpu, 0, s.out, **PLETable.DEVICE_TUNING),
+        "fused, sorted, scales on the GPU": lambda ids: gather_dequant(ids, s.w_host, s.s_gpu, 0, s.out, **tuning),
     }
     if huge is not None:
         variants[f"fused, sorted, {huge.pages} 2 MiB pages"] = lambda ids: gather_dequant(
-            ids, huge.weight, huge.scale, 0, out, **PLETable.HOST_TUNING
+            ids, huge.weight, huge.scale, 0, s.out, **tuning
         )
         variants[f"fused, sorted, {huge.pages} 2 MiB pages + scales on the GPU"] = lambda ids: gather_dequant(
-            ids, huge.weight, s_gpu, 0, out, **PLETable.HOST_TUNING
+            ids, huge.weight, s.s_gpu, 0, s.out, **tuning
         )
     if packed is not None:
-        bp, nw = tuned[False]["block_p"], tuned[False]["num_warps"]
-        variants["fused, scale beside row"] = lambda ids: _packed_kernel[(triton.cdiv(T * H, bp),)](
-            ids, packed, out, T * H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=bp, num_warps=nw
+        n, bp, nw = s.T * s.spec.num_heads, tuned[False]["block_p"], tuned[False]["num_warps"]
+        variants["fused, scale beside row"] = lambda ids: _packed_kernel[(triton.cdiv(n, bp),)](
+            ids, packed, s.out, n, D=s.spec.head_dim, BLOCK_D=triton.next_power_of_2(s.spec.head_dim), BLOCK_P=bp, num_warps=nw
         )
+    return variants
 
+
+def calibrate(s: Setup, source: str, calib: torch.Tensor, hot: HotRows, traffic: HotRows) -> None:
+    """Both hot-row caches from a separate calibration stream of the same kind (never the measured tokens):
+    `hot` filled from it, `traffic` refreshed from its counts (served traffic so far)."""
+    calib = calib.cuda()
+    if source == "uniform":
+        calib_ids = torch.randint(0, s.spec.rows, (calib.numel(), s.spec.num_heads), device="cuda")
+    else:
+        calib_ids = ngram_hash(s.spec, calib, *layout(s.spec, calib.numel()))
+    hot.fill(calib_ids)
+    traffic.counts.zero_()
+    traffic.observe(calib_ids)
+    traffic.refresh(traffic.counts[:-1])
+
+
+def measure_source(s: Setup, variants: dict, source: str, tokens: torch.Tensor, ids: torch.Tensor, hot: HotRows,
+                   bulk_gbs: float) -> dict:  # fmt: skip
+    """Every variant's lookup of `ids` (timed, and checked against the GPU-resident lookup), the hash of `tokens`
+    timed against the default lookup, and the share of `ids` the calibrated hot-row cache serves."""
+    hit_rate = float((hot.map[ids.flatten()] >= 0).float().mean())
+    ref = gather_dequant(ids, s.w_gpu, s.s_gpu, 0, torch.empty_like(s.out)).clone()
+    hash_ms = do_bench(lambda: s.row_ids(tokens))
+    unique = torch.unique(ids).numel() / ids.numel()
+    result = {"unique_row_fraction": unique, "hash_ms": hash_ms, "cache_hit_rate": hit_rate, "variants": {}}
+    for name, fn in variants.items():
+        fn(ids)
+        torch.cuda.synchronize()
+        exact = bool(torch.equal(s.out, ref))
+        ms = do_bench(lambda: fn(ids))
+        gbs = s.useful / ms / 1e6
+        result["variants"][name] = {"ms": ms, "GB/s": gbs, "ratio_to_bulk": gbs / bulk_gbs, "exact": exact}
+        print(f"{source:8s} {name:38s} {ms:8.3f} ms {gbs:7.2f} GB/s  x{gbs / bulk_gbs:.3f} bulk  exact={exact}", flush=True)
+    result["hash_over_lookup"] = hash_ms / result["variants"][DEFAULT]["ms"]
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    spec = NgramHashSpec.from_config(bench_config(int(args.table_gb * 1e9) // (args.dim + 2), args.heads_per_ngram, args.dim), 0)
+    table, numa = pinned_table(args, spec, gen)
+    bulk_gbs = bulk_copy_gbs()
+    out = torch.empty(args.tokens, spec.num_heads * spec.head_dim, dtype=torch.bfloat16, device="cuda")
+    s = Setup(spec, args.tokens, table, table.weight.cuda(), table.scale.cuda(), uva_view(table.weight), uva_view(table.scale),
+              out, *layout(spec, args.tokens))  # fmt: skip
+    ids_uniform = torch.randint(0, spec.rows, (args.tokens, spec.num_heads), device="cuda")
+    sweeps, tuned = tuning_sweeps(s, ids_uniform)
+    huge, packed = (None, None) if args.one_host_copy else second_copies(s)
+    hot = HotRows(s.w_host, s.s_host, 0, args.cache_rows, "cuda", observe=False)
+    traffic = HotRows(s.w_host, s.s_host, 0, args.cache_rows, "cuda", observe=True)
+    variants = {**fused_variants(s, tuned, hot, traffic), **other_variants(s), **placement_variants(s, tuned, huge, packed)}
+    calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=args.tokens)
     results = {}
-    hot = HotRows(w_host, s_host, 0, args.cache_rows, "cuda", observe=False)
-    traffic = HotRows(w_host, s_host, 0, args.cache_rows, "cuda", observe=True)
-    calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=T)
-    for source, tokens in token_streams(T, gen).items():
+    for source, tokens in token_streams(args.tokens, gen).items():
         tok = tokens.cuda()
-        ids = ids_uniform if source == "uniform" else ngram_hash(spec, tok, qsl, ctx)
-        # hot-row cache from a separate calibration stream of the same kind (never the measured tokens)
-        calib = calib_streams[source].cuda()
-        cq = torch.arange(0, calib.numel() + 1, 1024, device="cuda", dtype=torch.int32)
-        cctx = torch.full((cq.numel() - 1, 2), spec.eos_token_id, device="cuda", dtype=torch.int64)
-        calib_ids = torch.randint(0, R, (calib.numel(), H), device="cuda") if source == "uniform" else ngram_hash(spec, calib, cq, cctx)
-        hot.fill(calib_ids)
-        traffic.counts.zero_()
-        traffic.observe(calib_ids)  # served traffic so far: the calibration stream, refreshed into the cache
-        traffic.refresh(traffic.counts[:-1])
-        hit_rate = float((hot.map[ids.flatten()] >= 0).float().mean())
-        ref = gather_dequant(ids, w_gpu, s_gpu, 0, torch.empty_like(out)).clone()
-        hash_ms = do_bench(lambda: ngram_hash(spec, tok, qsl, ctx))
-        unique = torch.unique(ids).numel() / ids.numel()
-        results[source] = {"unique_row_fraction": unique, "hash_ms": hash_ms, "cache_hit_rate": hit_rate, "variants": {}}
-        for name, fn in variants.items():
-            fn(ids)
-            torch.cuda.synchronize()
-            exact = bool(torch.equal(out, ref))
-            ms = do_bench(lambda: fn(ids))
-            gbs = useful / ms / 1e6
-            results[source]["variants"][name] = {"ms": ms, "GB/s": gbs, "ratio_to_bulk": gbs / bulk_gbs, "exact": exact}
-            print(f"{source:8s} {name:38s} {ms:8.3f} ms {gbs:7.2f} GB/s  x{gbs / bulk_gbs:.3f} bulk  exact={exact}", flush=True)
-        fused = results[source]["variants"]["fused, sorted ids (ours, default)"]["ms"]
-        results[source]["hash_over_lookup"] = hash_ms / fused
-
+        ids = ids_uniform if source == "uniform" else s.row_ids(tok)
+        calibrate(s, source, calib_streams[source], hot, traffic)
+        results[source] = measure_source(s, variants, source, tok, ids, hot, bulk_gbs)
+    params = {"table_bytes": table.nbytes, "rows": spec.rows, "dim": spec.head_dim, "heads": spec.num_heads,
+              "tokens": args.tokens, "useful_bytes": s.useful, "table": table.describe()}  # fmt: skip
     formats = {}
     if args.formats_table_gb > 0:
-        del packed, huge, w_gpu, s_gpu, table, w_host, s_host, hot, traffic  # make room for the format tables
-        formats = bench_formats(args, token_streams(T, torch.Generator().manual_seed(0)), "cuda", do_bench)
-
+        del s, variants, table, huge, packed, hot, traffic  # make room for the format tables
+        formats = bench_formats(args, token_streams(args.tokens, torch.Generator().manual_seed(0)), "cuda", do_bench)
     report = {
         "formats": formats,
-        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": __import__("os").cpu_count(),
-                    "numa": numa},
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": os.cpu_count(), "numa": numa},
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-        "params": {"table_bytes": table_bytes, "rows": R, "dim": D, "heads": H, "tokens": T, "useful_bytes": useful,
-                   "table": table.describe()},
+        "params": params,
         "bulk_pinned_to_gpu_GBps": bulk_gbs,
         "fused_sweep_uniform_GBps": sweeps[False],
         "fused_sorted_sweep_uniform_GBps": sweeps[True],
@@ -296,11 +357,8 @@ def main() -> None:
         "cache_rows": args.cache_rows,
         "results": results,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_lookup.json").write_text(json.dumps(report, indent=2))
-    plot(report, out_dir / "bench_lookup.png")
-    print(json.dumps({s: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for s, r in results.items()}, indent=1))
+    save(args.out, "bench_lookup", report, plot)
+    print(json.dumps({src: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for src, r in results.items()}, indent=1))
 
 
 def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generator) -> PLETable:

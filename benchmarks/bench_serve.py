@@ -44,7 +44,7 @@ A variant whose engine does not start is reported with its error. `--profile` ad
 batch, where a decode step's time goes: wall time per step against the GPU's busy time per step (CUDA
 kernel time from torch.profiler) and the kernels that take most of it.
 
-    python benchmarks/bench_serve.py [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
+    python -m benchmarks.bench_serve [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
         [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
         [--rounds 2]
 
@@ -279,9 +279,9 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
     }
 
 
-def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vocab_size: int) -> None:
-    """One variant's engine: its measurements into `out` (JSON). `args`: the command line's graph mode,
-    `--profile`, `--memory-only`, `--prompts`."""
+def start_engine(variant: str, checkpoint: str, args: argparse.Namespace):
+    """The variant's engine on `checkpoint` in the command line's graph mode, with log stats on (the token
+    timestamps); returns it, its start-up seconds and the graph settings it resolved."""
     env, engine, _ = VARIANTS[variant]
     if variant == "host_int8_down_launch":
         env = {"QWEN4_EXP_HCU_DOWN_SILU": args.down_silu}
@@ -290,8 +290,7 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     engine = dict(engine)
     base = engine_config(args.layers)
     compilation_config = {**base["compilation_config"], **mode_compilation, **engine.pop("compilation_config", {})}
-    import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     t0 = time.monotonic()
     additional_config = {**base["additional_config"], **engine.get("additional_config", {})}
@@ -306,52 +305,75 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     graphs = {"cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name,
               "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
               "breakable": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1"}  # fmt: skip
+    return llm, startup, graphs
+
+
+def timed(llm, prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None, float]:
+    """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
+    one-token requests) and their median prefill seconds (`prefill_time`)."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    times, steps, prefills = [], [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        prefills.append(prefill_time(outputs))
+        if max_tokens > 1:
+            steps.append(decode_step(outputs))
+    return statistics.median(times), statistics.median(steps) if steps else None, statistics.median(prefills)
+
+
+def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Per decode batch: tokens/s from the token timestamps and by wall clock, and the fixed ms per request the wall
+    clock holds besides; and with `--profile` where a step's time goes (`profile_decode`)."""
+    decode, wall_rate, fixed, profiles = {}, {}, {}, {}
+    for b in args.batches:
+        prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
+        timed(llm, prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
+        prefill_only, _, _ = timed(llm, prompts, 1)
+        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS)
+        decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
+        fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
+        if args.profile:
+            profiles[b] = profile_decode(llm, prompts)
+    return {"decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed}, profiles
+
+
+def measure_prefill(llm, prompt) -> dict:
+    """Per prompt length: tokens/s from scheduling to the first token (`prefill_time`) and by wall clock."""
+    prefill, prefill_wall = {}, {}
+    for n in PREFILL_LENGTHS:
+        timed(llm, [prompt(n)], 1, repeats=1)  # warm-up
+        wall, _, engine_s = timed(llm, [prompt(n)], 1)
+        prefill[n], prefill_wall[n] = n / engine_s, n / wall
+    return {"prefill_tokens_per_s": prefill, "prefill_wall_tokens_per_s": prefill_wall}
+
+
+def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vocab_size: int) -> None:
+    """One variant's engine: its measurements into `out` (JSON). `args`: the command line's graph mode,
+    `--profile`, `--memory-only`, `--prompts`."""
+    llm, startup, graphs = start_engine(variant, checkpoint, args)  # the environment first: vLLM reads it on import
+    import torch
+
     if args.memory_only:
         result = {"variant": variant, "startup_s": startup, "bytes": llm.apply_model(tensor_bytes)[0], **graphs}
         Path(out).write_text(json.dumps({"any": result}))
         os._exit(0)
     gen = torch.Generator().manual_seed(0)
-
-    def timed(prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None, float]:
-        """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
-        one-token requests) and their median prefill seconds (`prefill_time`)."""
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        times, steps, prefills = [], [], []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            times.append(time.perf_counter() - t)
-            prefills.append(prefill_time(outputs))
-            if max_tokens > 1:
-                steps.append(decode_step(outputs))
-        return statistics.median(times), statistics.median(steps) if steps else None, statistics.median(prefills)
-
     results = {}
     probe = prompt_source(args.prompts[0], vocab_size, torch.Generator().manual_seed(1))
-    timed([probe(DECODE_PROMPT) for _ in range(max(args.batches))], 3, repeats=1)  # the largest batch decodes as one
+    timed(llm, [probe(DECODE_PROMPT) for _ in range(max(args.batches))], 3, repeats=1)  # the largest batch decodes as one
     for kind in args.prompts:  # one engine, each prompt source in turn (the file tier's rows follow the traffic)
         prompt = prompt_source(kind, vocab_size, gen)
-        decode, wall_rate, fixed, profiles = {}, {}, {}, {}
-        for b in args.batches:
-            prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
-            timed(prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-            prefill_only, _, _ = timed(prompts, 1)
-            wall, step, _ = timed(prompts, 1 + DECODE_TOKENS)
-            decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
-            fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
-            if args.profile:
-                profiles[b] = profile_decode(llm, prompts)
-        prefill, prefill_wall = {}, {}
-        for n in PREFILL_LENGTHS:
-            timed([prompt(n)], 1, repeats=1)  # warm-up
-            wall, _, engine_s = timed([prompt(n)], 1)
-            prefill[n], prefill_wall[n] = n / engine_s, n / wall
+        decode, profiles = measure_decode(llm, prompt, args)
         results[kind] = {
-            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, "decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed, "prefill_tokens_per_s": prefill, "prefill_wall_tokens_per_s": prefill_wall,
-            "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
-            **spec_decode_counters(llm),
-            **({"decode_profile": profiles} if args.profile else {}),
+            "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, **decode,
+            **measure_prefill(llm, prompt), "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
+            **spec_decode_counters(llm), **({"decode_profile": profiles} if args.profile else {}),
         }  # fmt: skip
         Path(out).write_text(json.dumps(results))  # after each source: a cut-off run keeps what it measured
     os._exit(0)  # skip vLLM's interpreter teardown
@@ -389,6 +411,7 @@ def spec_decode_counters(llm) -> dict:
 
 SMALL_TABLE_BASE = 1000  # rows per head of the tables written through transformers (then grown, `grow_tables`)
 SMALL_LAYERS = 4  # decoder layers written through transformers (then repeated to the model's depth, `grow_tables`)
+KIND_FORMATS = {"int8": "int8", "int8_mtp": "int8", "bf16": "bf16", "fp8": "fp8"}  # each checkpoint's table format
 
 
 def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, Path]:
@@ -411,7 +434,7 @@ def write_checkpoints(workdir: Path, model: dict, kinds: set[str]) -> dict[str, 
     out = {kind: workdir / f"bench-{kind}" for kind in sources}
     for kind in kinds:
         if not (out[kind] / "config.json").exists():
-            grow_tables(sources[kind], out[kind], model, workdir / "layers", fp8=kind == "fp8")
+            grow_tables(sources[kind], out[kind], model, workdir / "layers", KIND_FORMATS[kind])
     return out
 
 
@@ -420,52 +443,85 @@ def depth(layers: int) -> dict:
     return {"num_hidden_layers": layers, "layer_types": [MODEL["layer_types"][i % 4] for i in range(layers)]}
 
 
-def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fp8: bool = False) -> None:
-    """SRC (SMALL_LAYERS layers, small PLE tables) grown to `model`'s depth and PLE table size.
+def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fmt: str) -> None:
+    """SRC (SMALL_LAYERS layers, small PLE tables) grown to `model`'s depth and PLE table size, its tables in `fmt`.
 
     Decoder layer i is SRC's layer i % 4 (the PLE module only in the PLE layer), written once per workdir into
-    `layers_dir` (one file per layer) and hard-linked into DST. The PLE tables get the hash buffers of the model's
-    vocab and random rows in SRC's table format (BF16, or INT8 + bf16 row scales), or with `fp8` in upstream's FP8
-    layout as the FP8 release stores it (e4m3 rows, ONE bf16 `weight_scale` [1] per table, `ple_embedding_dtype`
-    in the config), one safetensors file per table shard, written one at a time (rows drawn on the GPU where there
-    is one), so a table of many GB never sits in memory whole."""
-    import re
-    import shutil
-
-    import torch
-    from safetensors import safe_open
+    `layers_dir` (one file per layer) and hard-linked into DST. The PLE tables are the package's random tables of
+    the grown config (`tiny.write_random_tables`: a file per shard, written one at a time, so a table of many GB
+    never sits in memory whole). SRC's config declares an INT8 table already (the quantizer wrote it); a format
+    upstream names (FP8: e4m3 rows and one table scale, as the FP8 release stores it) is declared by the config's
+    `ple_embedding_dtype`."""
     from safetensors.torch import save_file
 
-    from qwen4_exp_hcu.names import HASH_BUFFERS, SCALE_SUFFIX, SHARD, TABLE, ple_layers
-    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.tiny import write_random_tables
+
+    text = grown_config(src, dst, model, fmt)
+    copy_side_files(src, dst)
+    top, by_layer = small_tensors(src)
+    weight_map = link_layers(by_layer, text, dst, layers_dir)
+    weight_map.update(write_random_tables(dst, text, fmt))
+    save_file(top, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(top, "model.safetensors"))
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def grown_config(src: Path, dst: Path, model: dict, fmt: str):
+    """DST's config.json: SRC's at `model`'s depth and table size, declaring `fmt` where upstream names it; returns
+    its text config."""
+    from qwen4_exp_hcu.ple.formats.rows import FORMATS
     from qwen4_exp_hcu.tiny import load_config
 
     dst.mkdir(parents=True, exist_ok=True)
     config = {**json.loads((src / "config.json").read_text()), **depth(model["num_hidden_layers"]),
               "ngram_vocab_size_base": model["ngram_vocab_size_base"]}  # fmt: skip
-    if fp8:
-        config["ple_embedding_dtype"] = "float8_e4m3fn"
+    if FORMATS[fmt].upstream_dtype:
+        config["ple_embedding_dtype"] = FORMATS[fmt].upstream_dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    text = load_config(dst / "config.json")
-    ple = {layer.decoder: layer for layer in ple_layers(text)}
-    top, by_layer, dtypes = {}, {}, {}  # SRC's tensors: outside the layers; per layer; each table shard's dtype
+    return load_config(dst / "config.json")
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """SRC's files besides the weights, the config and the index (the tokenizer's, the generation config)."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+
+
+def small_tensors(src: Path) -> tuple[dict, dict[int, dict]]:
+    """SRC's tensors outside the decoder layers, and each decoder layer's by its name within the layer; the PLE
+    tables and hash buffers left out (the grown tables replace them)."""
+    import re
+
+    from safetensors import safe_open
+
+    top, by_layer = {}, {}
     layer_name = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
     for f in src.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             for k in st.keys():
-                if SHARD.search(k):
-                    dtypes[k] = st.get_slice(k).get_dtype()
-                elif m := layer_name.match(k):
-                    if ".ple_embedding." not in k:  # hash buffers are written below, for the model's vocab
+                if m := layer_name.match(k):
+                    if ".ple_embedding." not in k:
                         by_layer.setdefault(int(m[1]), {})[m[2]] = st.get_tensor(k)
                 else:
                     top[k] = st.get_tensor(k)
     assert sorted(by_layer) == list(range(SMALL_LAYERS)), f"{src}: expected {SMALL_LAYERS} decoder layers"
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, dst / f.name)
-    weight_map = {}
+    return top, by_layer
+
+
+def link_layers(by_layer: dict[int, dict], text, dst: Path, layers_dir: Path) -> dict[str, str]:
+    """Decoder layer i of DST as SRC's layer i % SMALL_LAYERS (its PLE module only where `text` puts one), one file
+    per layer written once into `layers_dir` and hard-linked into DST (every kind shares them); {tensor: file}."""
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.names import ple_layers
+
+    ple = {layer.decoder for layer in ple_layers(text)}
     layers_dir.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
     for i in range(text.num_hidden_layers):
         tensors = {f"model.layers.{i}.{k}": t.clone() for k, t in by_layer[i % SMALL_LAYERS].items()
                    if i in ple or not k.startswith("ple.")}  # fmt: skip
@@ -476,37 +532,7 @@ def grow_tables(src: Path, dst: Path, model: dict, layers_dir: Path, fp8: bool =
         (dst / file).unlink(missing_ok=True)
         os.link(layers_dir / file, dst / file)
         weight_map.update(dict.fromkeys(tensors, file))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device).manual_seed(0)
-    for layer in ple.values():
-        spec = NgramHashSpec.from_config(text, layer.ple)
-        prefix = f"{layer.prefix}ple_embedding."
-        for name, values in zip(HASH_BUFFERS, (spec.multipliers, spec.head_sizes, spec.head_offsets)):
-            top[prefix + name] = torch.tensor(values, dtype=torch.int64)
-        small_layer = layer.prefix.replace(f".{layer.decoder}.", f".{layer.decoder % SMALL_LAYERS}.")
-        dtype = "F8_E4M3" if fp8 else dtypes[f"{small_layer}{TABLE}.shard_0.weight"]  # the table's format
-        if fp8:
-            top[f"{layer.prefix}{TABLE}.weight_scale"] = torch.tensor([0.01], dtype=torch.bfloat16)
-        parts = text.split_ngram_parts
-        per = -(-spec.rows // parts)
-        for j in range(parts):
-            n, name = min(per, spec.rows - j * per), f"{layer.prefix}{TABLE}.shard_{j}.weight"
-            shard = {}
-            if dtype == "I8":
-                rows = torch.randint(-127, 128, (n, spec.head_dim), dtype=torch.int8, generator=gen, device=device)
-                shard[name] = rows.cpu()
-                scale = (torch.rand(n, 1, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-                shard[name.removesuffix("weight") + SCALE_SUFFIX] = scale.cpu()
-            else:
-                rows = torch.randn(n, spec.head_dim, generator=gen, device=device) * (1.0 if dtype == "F8_E4M3" else 0.3)
-                shard[name] = rows.to(torch.float8_e4m3fn if dtype == "F8_E4M3" else torch.bfloat16).cpu()
-            file = f"ple-{layer.decoder}-{j:04d}.safetensors"
-            save_file(shard, str(dst / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-    save_file(top, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(top, "model.safetensors"))
-    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return weight_map
 
 
 def versions() -> dict:
@@ -605,7 +631,7 @@ def engine_config(layers: int) -> dict:
     return {**ENGINE, **({"kv_cache_memory_bytes": RELEASE_KV_CACHE_BYTES} if layers > MODEL["num_hidden_layers"] else {})}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--workdir", default="/tmp/bench_serve")
@@ -638,6 +664,43 @@ def main() -> None:
     args = parser.parse_args()
     if not args.worker and "host_int8_down_launch" in args.variants and not args.down_silu:
         parser.error("host_int8_down_launch serves the launch --down-silu names")
+    return args
+
+
+def worker_command(name: str, checkpoint: Path, result: Path, args: argparse.Namespace) -> list[str]:
+    """This script as the variant's worker process, with the command line's settings that the worker reads."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_serve", "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
+    cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
+    cmd += ["--graph-mode", args.graph_mode, "--batches", *map(str, args.batches)] + (["--profile"] if args.profile else [])
+    cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
+    return cmd + (["--down-silu", args.down_silu] if args.down_silu else [])
+
+
+def run_variant(name: str, checkpoint: Path, workdir: Path, args: argparse.Namespace) -> dict:
+    """One variant's worker process (its log kept in `workdir`): what it measured by prompt source, or its error."""
+    result = workdir / f"{name}.json"
+    if args.cold:
+        from benchmarks.common import drop_page_cache
+
+        for f in Path(checkpoint).glob("*.safetensors"):
+            drop_page_cache(f)
+    try:
+        proc = subprocess.run(worker_command(name, checkpoint, result, args), capture_output=True, text=True,
+                              timeout=args.timeout, cwd=Path(__file__).resolve().parents[1])
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        log = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    (workdir / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
+    measured = json.loads(result.read_text()) if result.exists() else {}
+    result.unlink(missing_ok=True)  # a later run of the variant must not report this one's figures
+    if not measured:
+        lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
+        measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
+    return measured
+
+
+def main() -> None:
+    args = parse_args()
     model = release_model(args.table_gb) if args.geometry == "release" else MODEL
     model = {**model, **depth(args.layers), **({"indexer_budget": args.indexer_budget} if args.indexer_budget else {})}
     if args.worker:
@@ -645,7 +708,6 @@ def main() -> None:
     if args.plot_only:
         doc = json.loads((Path(args.out) / "bench_serve.json").read_text())
         return plot(doc["results"], Path(args.out) / "bench_serve.png", describe(doc["model"], doc["graph_mode"]))
-
     geometry = f"release-{args.table_gb:g}gb" if args.geometry == "release" else "synthetic"
     budget = f"-budget{args.indexer_budget}" if args.indexer_budget else ""
     workdir = Path(args.workdir) / f"{geometry}-{model['num_hidden_layers']}layers{budget}"  # checkpoints are kept per model
@@ -653,32 +715,9 @@ def main() -> None:
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
-    from benchmarks import drop_page_cache  # --cold
-
     results = {}
     for round_, name in itertools.product(range(1, args.rounds + 1), args.variants):
-        checkpoint = checkpoints[VARIANTS[name][2]]
-        result = workdir / f"{name}.json"
-        cmd = [sys.executable, __file__, "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
-        cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
-        cmd += ["--graph-mode", args.graph_mode, "--batches", *map(str, args.batches)] + (["--profile"] if args.profile else [])
-        cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
-        cmd += ["--down-silu", args.down_silu] if args.down_silu else []
-        if args.cold:
-            for f in Path(checkpoint).glob("*.safetensors"):
-                drop_page_cache(f)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            log = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-        (workdir / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
-        measured = json.loads(result.read_text()) if result.exists() else {}
-        result.unlink(missing_ok=True)  # a later run of the variant must not report this one's figures
-        if not measured:
-            lines = [l for l in str(log).splitlines() if "Error" in l or "error" in l]
-            measured = {"any": {"error": (lines[-1] if lines else str(log)[-500:]).strip()}}
-        for kind, r in measured.items():
+        for kind, r in run_variant(name, checkpoints[VARIANTS[name][2]], workdir, args).items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
             key += f"#{round_}" if round_ > 1 else ""
             results[key] = {**r, "down_silu_launch": args.down_silu} if name == "host_int8_down_launch" else r

@@ -519,19 +519,19 @@ FAMILIES: list[tuple[str, list[Row]]] = [
 
 # The commands of the result files that record none, or whose recorded writer no longer times what they hold
 # (the multi-GPU tests now check exactness and bytes; their timing is benchmarks/bench_etp.py's).
-MEMORY = "python benchmarks/bench_serve.py --memory-only --variants host_int8 gpu_int8 --graph-mode "
+MEMORY = "python -m benchmarks.bench_serve --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
-    "bench_lookup.json": "python benchmarks/bench_lookup.py",
-    "lookup_release_tp4/bench_lookup.json": "python benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 13 "
+    "bench_lookup.json": "python -m benchmarks.bench_lookup",
+    "lookup_release_tp4/bench_lookup.json": "python -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 13 "
                                             "--formats-table-gb 4 --out benchmarks/results/lookup_release_tp4",
     "lookup_release_tp1_session29/bench_lookup.json": "bash tools/gpu_session.sh lookup-tp1",
     "bench_prefetch.json": "python -m benchmarks.bench_prefetch --repeats 3",
-    "plan_memory.json": "python benchmarks/plan_memory.py --hot-rows-gib 1",
+    "plan_memory.json": "python -m benchmarks.plan_memory --hot-rows-gib 1",
     "etp_2gpu.json": "python -m benchmarks.bench_etp --gpus 2",
     "etp_4gpu.json": "python -m benchmarks.bench_etp --gpus 4",
-    "plan_memory_file_tier.json": "python benchmarks/plan_memory.py --config configs/release_config.json --host-table-gib 9.66",
+    "plan_memory_file_tier.json": "python -m benchmarks.plan_memory --config configs/release_config.json --host-table-gib 9.66",
     "peer_logprobs_eager.json": "python3 -m qwen4_exp_hcu.tiny /tmp/tiny && "
-                                "python3 benchmarks/peer_logprobs.py /tmp/tiny --out DIR --eager",
+                                "python3 -m benchmarks.peer_logprobs /tmp/tiny --out DIR --eager",
     FDO22 + "budgets_50_5/bench_serve.json": 'KINDS=int8 PROMPTS="text uniform" VARS="host_int8 host_int8_files50 '
                                              'host_int8_files5" bash tools/gpu_session.sh write serve',
     FDO22 + "budgets_20_100/bench_serve.json": 'PROMPTS="text uniform" VARS="host_int8_files20 host_int8_files100" '
@@ -542,9 +542,18 @@ COMMANDS = {
 }
 
 
+def as_module(command: str) -> str:
+    """The benchmarks import their shared code from the `benchmarks` package, so they run as its modules."""
+    return re.sub(r"\bpython3? benchmarks/(\w+)\.py\b", r"python -m benchmarks.\1", command)
+
+
 def commands(name: str, doc: dict) -> list[str]:
     """How to write the file again: COMMANDS where it names the file, else the file's `command`, its `calls` (comments
     dropped) or the test that wrote it."""
+    return [as_module(c) for c in _recorded(name, doc)]
+
+
+def _recorded(name: str, doc: dict) -> list[str]:
     if name in COMMANDS:
         return [COMMANDS[name]]
     if "command" in doc:

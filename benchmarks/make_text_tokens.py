@@ -31,7 +31,7 @@ recorded in the metadata (the committed file was built with CPython 3.11.7).
 
 Rerun
 -----
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/make_text_tokens.py \
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.make_text_tokens \
         --pkg-dir /tmp/tokpkg [--num-tokens 200000] [--out benchmarks/data/text_tokens.safetensors]
 
 ``--pkg-dir`` is the directory the package was installed into (the one containing

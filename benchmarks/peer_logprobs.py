@@ -1,6 +1,6 @@
 """vLLM 0.33's own Qwen4Exp class beside ours on one checkpoint: top-5 logprobs of the same greedy runs.
 
-    python benchmarks/peer_logprobs.py CKPT --out DIR [--eager]
+    python -m benchmarks.peer_logprobs CKPT --out DIR [--eager]
 
 Each engine runs in its own process (`QWEN4_EXP_HCU_DISABLE=1` keeps vLLM's own class there); the parent
 compares: for every step and every token of ours' top-5 that upstream's top-5 also holds, |ours - upstream|.

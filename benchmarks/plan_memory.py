@@ -1,6 +1,6 @@
 """Per-rank PLE memory and per-step traffic for a config and a TP x DP layout (no GPU needed).
 
-    python benchmarks/plan_memory.py [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
+    python -m benchmarks.plan_memory [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
                                      [--gpus-per-node 8] [--hot-rows-gib 0] [--host-table-gib 0]
 
 Without --config the transformers defaults are used (vocab 248 320, hidden 2048, N=3, 8 heads per order,

@@ -1,7 +1,7 @@
 """Plot the per-step ETP bytes and lookup times measured by ``benchmarks/bench_etp.py``.
 
 ``python -m benchmarks.bench_etp --gpus N`` writes ``benchmarks/results/bench_etp_{N}gpu.json``; this draws
-the 2- and 4-GPU runs side by side (median over ranks) into ``etp.png``: ``python benchmarks/plot_etp.py``.
+the 2- and 4-GPU runs side by side (median over ranks) into ``etp.png``: ``python -m benchmarks.plot_etp``.
 """
 
 from __future__ import annotations

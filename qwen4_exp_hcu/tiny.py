@@ -237,6 +237,41 @@ def make_tiny_int8_checkpoint(
     return dst
 
 
+@torch.no_grad()
+def write_random_tables(dst: str | Path, text_config, fmt: str = "int8", seed: int = 0) -> dict[str, str]:
+    """Random PLE tables of `text_config`'s size (text-only names) in `fmt`, a `ple.formats.rows.FORMATS` name (values
+    N(0, 1) before the format stores them), into DST: one safetensors file per table shard, the table's hash buffers
+    and table scale beside its first shard. Each shard is drawn (on the accelerator where there is one) and written
+    alone, so a table of many GB under a small model never sits in memory whole. Returns {tensor: file} for the
+    checkpoint's index; the config's declaration of `fmt` is the caller's."""
+    from safetensors.torch import save_file
+
+    from qwen4_exp_hcu.names import HASH_BUFFERS, SCALE_SUFFIX, TABLE, ple_layers
+    from qwen4_exp_hcu.ple.formats.rows import FORMATS
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+
+    form, device = FORMATS[fmt], "cuda" if torch.cuda.is_available() else "cpu"
+    gen, files = torch.Generator(device).manual_seed(seed), {}
+    # N(0, 1) values: 6 standard deviations bound all but about one in 10^9 (those saturate)
+    table_scale = form.quantize_table_scale(6.0) if form.quantize_table_scale else torch.ones(1)
+    for layer in ple_layers(text_config):
+        spec, table = NgramHashSpec.from_config(text_config, layer.ple), f"{layer.prefix}{TABLE}"
+        first = {f"{layer.prefix}ple_embedding.{n}": t for n, t in zip(HASH_BUFFERS, spec.tensors("cpu"))}
+        if form.table_scale:
+            first[f"{table}.{form.table_scale}"] = table_scale.to(getattr(torch, form.table_scale_dtype))
+        per = -(-spec.rows // text_config.split_ngram_parts)
+        for j in range(text_config.split_ngram_parts):
+            rows = torch.randn(max(0, min(per, spec.rows - j * per)), spec.head_dim, generator=gen, device=device)
+            weight, scale = form.quantize(rows, table_scale) if form.quantize else (rows.to(getattr(torch, form.weight)), None)
+            shard = {f"{table}.shard_{j}.weight": weight.cpu(), **({} if j else first)}
+            if scale is not None:
+                shard[f"{table}.shard_{j}.{SCALE_SUFFIX}"] = scale.cpu()
+            file = f"ple-{layer.decoder}-{j:04d}.safetensors"
+            save_file(shard, Path(dst) / file, metadata={"format": "pt"})
+            files.update(dict.fromkeys(shard, file))
+    return files
+
+
 def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     """Copy of an INT8-PLE checkpoint with every table shard dequantized to BF16 (`int8 * scale`, the
     row format's reference) and no quantization config: what transformers runs as the INT8 oracle."""

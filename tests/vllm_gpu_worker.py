@@ -36,6 +36,13 @@ MODES = {
 HOT_ROWS_REFRESH_EVERY = 2  # lookups between refreshes in the hot_rows mode, so the short runs refresh often
 
 
+def breakable_cudagraphs(vllm_config) -> bool:
+    """Whether the engine built from `vllm_config` runs breakable CUDA graphs: resolved into the compilation
+    config where vLLM keeps it there, otherwise set in the environment while the config is built."""
+    resolved = getattr(vllm_config.compilation_config, "use_breakable_cudagraph", None)
+    return resolved if resolved is not None else os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1"
+
+
 def engine_kwargs(mode: str, emulate_precision_casts: bool = False) -> dict:
     """The portable GPU settings with the mode's own (its compilation settings added to them)."""
     from helpers.scenarios import GPU_ENGINE
@@ -85,7 +92,6 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from qwen4_exp_hcu.model.model import report_ple_tables
-    from qwen4_exp_hcu.model.vllm_api import breakable_cudagraphs
 
     t0 = time.monotonic()
     llm = LLM(

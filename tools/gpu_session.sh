@@ -48,7 +48,7 @@ B="--geometry release --table-gb $TABLE_GB --layers $LAYERS --indexer-budget 204
 for step in "$@"; do
   t0=$(date +%s); echo "=== $step"
   case $step in
-  hc) python3 benchmarks/bench_hyper_connection.py --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
+  hc) python3 -m benchmarks.bench_hyper_connection --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
       cp "$OUT/hyper_connection/bench_hyper_connection.json" /tmp/last_hc_sweep.json
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
   write) python3 - <<'PY' 2>&1 | tail -5
@@ -68,19 +68,19 @@ PY
            DOWN_SILU=$(python3 -c "import json; print(json.load(open('/tmp/last_hc_sweep.json'))['down_silu_in_block']['16']['best'])") \
              && echo "best16: $DOWN_SILU"
          fi
-         python3 benchmarks/bench_serve.py $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
+         python3 -m benchmarks.bench_serve $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
   test) timeout "${LIM:-500}" python3 -m pytest -v -s -rfs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \
           | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
-  lookup-tp1) python3 benchmarks/bench_lookup.py --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
+  lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
                 | grep -v "^ \|^{\|^}" | tail -40 ;;
   file-tier) python3 -m benchmarks.bench_file_tier --table-gb 8 --dir /tmp/file-tier --out "$OUT/file_tier" 2>&1 | tail -40 ;;
   memory) for m in ${MODES:-full_and_piecewise piecewise full_decode_only_compiled}; do
-            python3 benchmarks/bench_serve.py --memory-only --graph-mode "$m" --variants ${VARS:-host_int8 gpu_int8} \
+            python3 -m benchmarks.bench_serve --memory-only --graph-mode "$m" --variants ${VARS:-host_int8 gpu_int8} \
               --out "$OUT/memory_$m" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -6
           done ;;
   keep-cache) mkdir -p "$OUT/triton-cache" && tar -c -C ~/.triton cache | xz -T0 | split -b 15m - "$OUT/triton-cache/part."  # xz on every core: one took 129 s for 242 MB

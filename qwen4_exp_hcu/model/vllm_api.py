@@ -10,7 +10,6 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,6 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from qwen4_exp_hcu.env import override_disabled
 
-BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 QWEN4_EXP_PACKAGE = "vllm.models.qwen4_exp"
 
 
@@ -74,22 +72,10 @@ def drafter_gets_target_streams(vllm_config: VllmConfig) -> bool:
     return getattr(vllm_config, "use_v2_model_runner", True)
 
 
-def parses_engram_config() -> bool:
-    """Whether vLLM has `--engram-config` (its `EngramConfig`, in `VllmConfig.engram_config`)."""
-    return any(f.name == "engram_config" for f in dataclasses.fields(VllmConfig))
-
-
 def disk_offload_requested(vllm_config: VllmConfig) -> bool:
     """`--engram-config.disk_offload` (upstream's own disk tier, in the releases that have it)."""
     engram = getattr(vllm_config, "engram_config", None)
     return bool(getattr(engram, "disk_offload", False))
-
-
-def breakable_cudagraphs(vllm_config: VllmConfig) -> bool:
-    """Whether the engine built from `vllm_config` runs breakable CUDA graphs: resolved into the compilation
-    config where vLLM keeps it there, otherwise set in the environment while the config is built."""
-    resolved = getattr(vllm_config.compilation_config, "use_breakable_cudagraph", None)
-    return resolved if resolved is not None else os.environ.get(BREAKABLE_ENV) == "1"
 
 
 def etp_group():

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_etp import capture, time_ms
+from benchmarks.common import capture, time_ms
 from helpers.configs import tiny_text_config
 from helpers.dist import Topology, compare_steps, init_process_group, max_abs_diff, spawn_workers, write_result
 from helpers.layers import load_state_dicts, ple_state_dict, save_state_dicts
