@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.bench_file_tier import DIM, HEADS, SHARDS, load, write_table
 from benchmarks.bench_lookup import bench_config, token_streams
-from qwen4_exp_hcu.ple.tiers.file_rows import PROMOTE_ROWS, CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import PROMOTE_ROWS, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.tiers.hot_rows import REFRESH_ROWS, HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage

@@ -32,7 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.bench_lookup import bench_config, token_streams
 from benchmarks import drop_page_cache
-from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable

@@ -40,7 +40,7 @@ def _inspect(path):
             ids = torch.arange(table.start, table.end).view(-1, 1)
             whole = load_ple_layer(path, index.layer_id, PLEStorage(host=True)).table.lookup(ids)
             # after CUDA graphs capture the file tier's buffers, a lookup holds at most its staging area's ids
-            chunk = len(ids) if table.file_rows is None else table.file_rows.staging
+            chunk = len(ids) if table.file_rows is None else table.file_rows.staging.capacity
             live = torch.cat([table.lookup(c.to(table.compute_device)).cpu() for c in ids.split(chunk)])
             found.append((block.storage()["describe"], torch.equal(live, whole)))
         return found

@@ -103,7 +103,8 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
     host bytes of each PLE layer's resident rows."""
     from qwen4_exp_hcu.ple.etp import looked_up_tokens
-    from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
+    from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
     from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
