@@ -13,6 +13,7 @@ and the ratio to the measured bulk pinned->GPU copy bandwidth. Writes JSON + PNG
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
+from qwen4_exp_hcu.kernels.gather_dequant import INT8, _to_bf16_rtne
+from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant as gather_rows
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
@@ -34,6 +36,7 @@ from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 REAL_VOCAB = 248_320
+gather_dequant = functools.partial(gather_rows, kind=INT8)  # every table here: INT8 rows + bf16 row scales
 
 
 def bench_config(rows_target: int, heads_per_ngram: int, dim: int) -> SimpleNamespace:

@@ -274,7 +274,7 @@ class PLETable:
         tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
         out = dispatch(
             gather_dequant, gather_dequant_reference, ids.contiguous(), self.weight, scale, start, out=out,
-            global_scale=global_scale, options=dict(cache=cache, cache_by_pair=by_pair, **tuning),
+            global_scale=global_scale, **self.format.kernel_args, options=dict(cache=cache, cache_by_pair=by_pair, **tuning),
         )
         if self.file_rows is not None:
             self.file_rows.lookup_done(self.compute_device)
