@@ -82,6 +82,12 @@ class TableFormat:
 
         return self.kernel in CACHED_KINDS
 
+    def check_width(self, dim: int) -> None:
+        """Rows of `dim` values are whole blocks of this format's block scales, else an error naming the head dim."""
+        block = self.row_scale.block if self.row_scale else None
+        if block and dim % block:
+            raise ValueError(f"{self.name.upper()} PLE rows hold blocks of {block} values; the head dim {dim} is not a multiple.")
+
     def weight_shape(self, rows: int, dim: int) -> tuple[int, int]:
         return rows, dim // self.pack
 
@@ -112,6 +118,13 @@ def table_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
     if fmt is None or (scale is not None) != scaled or (fmt.row_scale and _name(scale.dtype) != fmt.row_scale.dtype):
         raise ValueError(f"PLE table: no row format stores weight {weight.dtype} with scale {getattr(scale, 'dtype', None)}.")
     return fmt.name
+
+
+def check_hot_rows(name: str, setting: str = "") -> None:
+    """A hot-row cache over a table of format `name`: an error (prefixed by `setting`) unless the cache serves it."""
+    if not FORMATS[name].hot_rows:
+        served = " and ".join(f.name.upper() for f in FORMATS.values() if f.hot_rows)
+        raise ValueError(f"{setting}the hot-row cache serves {served} PLE tables, not {name}.")
 
 
 def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,10 @@ from qwen4_exp_hcu.ple.tiers.staging import StagingArea, miss_table_entries
 
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
 FRESH_ROWS = 1 << 20  # rows first read since the last promotion that bring the next one forward (8 MB of candidates)
+# the storage settings the file tier does not combine with: its resident rows are private 4 KiB host pages, beside
+# their scales, that its host function writes
+EXCLUDES = {"shared": "a host copy shared by DP replicas", "huge_pages": "2 MiB host pages",
+            "scales_on_device": "scales on the accelerator"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class FileTier:
     refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
     promote_rows: int | None = PROMOTE_ROWS  # a promotion runs inside a lookup: its file reads (a page fault per row) stall it; None: no cap
     staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
+
+
+def excluded_settings(storage) -> list[str]:
+    """What in `storage` (a `PLEStorage`, which holds the tier) the file tier does not combine with, in words."""
+    return [why for name, why in EXCLUDES.items() if getattr(storage, name) not in (None, False)]
 
 
 class FileRows:
