@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import DIM, HEADS, SHARDS, bench_config, load_table, save, token_streams, write_table
-from qwen4_exp_hcu.ple.tiers.file_rows import PROMOTE_ROWS, CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import PROMOTE_ROWS, FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.tiers.hot_rows import REFRESH_ROWS, HotRows
 from qwen4_exp_hcu.ple.storage import PLEStorage

@@ -33,7 +33,8 @@ import torch
 
 from benchmarks.common import (DIM, HEADS, SHARDS, bench_config, drop_page_cache, load_table, save, token_streams,
                                write_table)
-from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable

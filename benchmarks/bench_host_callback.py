@@ -25,7 +25,8 @@ import torch
 
 from benchmarks.common import DIM, HEADS, SHARDS, load_table, save, write_table
 from qwen4_exp_hcu.ple.tiers import host_call
-from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
 from qwen4_exp_hcu.ple.storage import PLEStorage
 
 VARIANTS = {  # name -> (a busy Python thread beside it, the callback's switch interval)

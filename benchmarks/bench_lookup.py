@@ -13,6 +13,7 @@ and the ratio to the measured bulk pinned->GPU copy bandwidth. Writes JSON + PNG
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -27,7 +28,8 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from benchmarks.common import bench_config, save, token_streams
-from qwen4_exp_hcu.kernels.gather_dequant import _to_bf16_rtne, gather_dequant
+from qwen4_exp_hcu.kernels.gather_dequant import INT8, _to_bf16_rtne
+from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant as gather_rows
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
@@ -37,6 +39,7 @@ from qwen4_exp_hcu.ple.table import PLETable
 
 CHUNK = 1 << 24  # rows copied at a time into a pinned table
 DEFAULT = "fused, sorted ids (ours, default)"
+gather_dequant = functools.partial(gather_rows, kind=INT8)  # every table here: INT8 rows + bf16 row scales
 
 
 @triton.jit

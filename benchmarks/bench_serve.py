@@ -295,7 +295,7 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace):
     t0 = time.monotonic()
     additional_config = {**base["additional_config"], **engine.get("additional_config", {})}
     if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
-        from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles
+        from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 
         ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
         additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}

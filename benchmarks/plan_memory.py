@@ -29,7 +29,8 @@ import json
 from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens
-from qwen4_exp_hcu.ple.tiers.file_rows import IO_DTYPES, index_bytes, resident_slots
+from qwen4_exp_hcu.ple.tiers.file_rows import index_bytes, resident_slots
+from qwen4_exp_hcu.ple.tiers.staging import IO_DTYPES
 from qwen4_exp_hcu.ple.storage import owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec
 from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows

@@ -95,6 +95,7 @@ def _gather_launches(geometry: str, head_dim: int) -> dict[str, Launch]:
                 launches[f"gather-{fmt}-{where}{suffix}-{geometry}"] = _record(
                     gather_dequant, "_gather_dequant_kernel", gather_dequant.gather_dequant,
                     ids, table.weight, scale, table.start, out, global_scale=global_scale, cache=cache, **tuning,
+                    **table.format.kernel_args,
                 )  # fmt: skip
     return launches
 

@@ -39,7 +39,8 @@ from qwen4_exp_hcu.ple.storage import PLEStorage, owned_rows
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
-from qwen4_exp_hcu.ple.table import PLETable, gather_dequant_reference
+from qwen4_exp_hcu.kernels.gather_dequant import BF16, gather_dequant_reference
+from qwen4_exp_hcu.ple.table import PLETable
 
 CAP = 12  # prefetch workspace capacity (max_num_batched_tokens)
 SLOTS = 4
@@ -178,7 +179,7 @@ def _rows_fewer_than_ranks(rank, world, failures):
         n = [2, 1, 3, 0][rank] if across else 3
         ids = torch.randint(0, 3, (n, 2), generator=torch.Generator().manual_seed(rank if across else 0))
         got = etp(ids)
-        if not torch.equal(got, gather_dequant_reference(ids, full, None, 0)):
+        if not torch.equal(got, gather_dequant_reference(ids, full, None, 0, kind=BF16)):
             failures.append(f"rows < ranks, across_dp={across}: rank {rank} lookup differs")
     return ranges
 
@@ -346,7 +347,7 @@ def test_owned_rows_tile_the_table_even_with_more_ranks_than_rows(rows, world):
         t = PLETable(rows, 3, PLEStorage("bf16"), start=s, end=e)
         t.load_shard(0, full)
         parts.append(t.lookup(ids))
-    assert torch.equal(torch.stack(parts).sum(0), gather_dequant_reference(ids, full, None, 0))
+    assert torch.equal(torch.stack(parts).sum(0), gather_dequant_reference(ids, full, None, 0, kind=BF16))
 
 
 def test_bytes_per_token_hand_computed():

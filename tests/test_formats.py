@@ -33,6 +33,22 @@ def test_format_from_dtypes():
     assert table_format(u8, e4) == "nvfp4"
 
 
+def test_safetensors_codes_are_the_librarys():
+    """`SAFETENSORS_DTYPES` (read without torch, by the quantizer) names each dtype as the safetensors library
+    writes it in a file's header."""
+    import json
+    import struct
+
+    from safetensors.torch import save
+
+    from qwen4_exp_hcu.ple.formats.rows import SAFETENSORS_DTYPES
+
+    for name, code in SAFETENSORS_DTYPES.items():
+        blob = save({"t": torch.zeros(1, dtype=getattr(torch, name))})
+        header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
+        assert header["t"]["dtype"] == code, name
+
+
 # ---- tables in upstream's FP8 / NVFP4 layout ---------------------------------------------------------
 import pytest  # noqa: E402
 

@@ -1,13 +1,13 @@
-"""The fused gather + dequant Triton kernel vs its torch reference (`ple.table.gather_dequant_reference`),
+"""The fused gather + dequant Triton kernel vs its torch reference (`kernels.gather_dequant_reference`),
 for every row format: BF16, INT8 (+ the hot-row cache, its map by row or by (token, head)), FP8, NVFP4."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
+from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
 from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
-from qwen4_exp_hcu.ple.table import gather_dequant_reference
+from qwen4_exp_hcu.ple.formats.rows import FORMATS
 
 
 def _e4m3(shape, g, positive=False):
@@ -70,6 +70,20 @@ def test_fused_kernel_matches_reference(fmt, rows, d, t, heads, seed, block_p, s
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
     on = lambda x: None if x is None else tuple(map(on, x)) if isinstance(x, tuple) else x.to(dev)  # noqa: E731
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16, device=dev)
+    layout = FORMATS[fmt].kernel_args  # what `PLETable` passes
     gather_dequant(on(gathered), on(w), on(scale), start, out, global_scale=on(global_scale), block_p=block_p,
-                   sort=sort, cache=on(cache), cache_by_pair=by_pair)  # fmt: skip
-    assert torch.equal(out.cpu(), gather_dequant_reference(ids, w, scale, start, global_scale))
+                   sort=sort, cache=on(cache), cache_by_pair=by_pair, **layout)  # fmt: skip
+    assert torch.equal(out.cpu(), gather_dequant_reference(ids, w, scale, start, global_scale, **layout))
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(["bf16", "int8", "fp8", "nvfp4"]), rows=st.integers(1, 50), d=st.sampled_from([16, 48]),
+       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_the_reference_computes_each_formats_arithmetic(fmt, rows, d, seed):
+    """The kernel's reference, read by a format's `kernel_args`, equals the format's own `dequantize` (upstream's
+    arithmetic, the quantizer's), at the table scales a `PLETable` stores (FP8's bf16-valued)."""
+    w, scale, global_scale = random_table(fmt, rows, d, torch.Generator().manual_seed(seed))
+    f = FORMATS[fmt]
+    got = gather_dequant_reference(torch.arange(rows).view(-1, 1), w, scale, 0, global_scale, **f.kernel_args)
+    row_scale, table_scale = (scale, global_scale) if f.row_scale else (None, scale)
+    assert torch.equal(got, f.dequantize(w, row_scale, table_scale))

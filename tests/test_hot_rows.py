@@ -1,4 +1,4 @@
-"""The hot-row cache (`ple.hot_rows.HotRows`): after any sequence of traffic, refreshes and calibration fills,
+"""The hot-row cache (`tiers.hot_rows.HotRows`): after any sequence of traffic, refreshes and calibration fills,
 the fused lookup through the cache equals the table's reference bit for bit, the cache holds exactly the
 most counted rows, and its map and slots agree. The kernel runs under the Triton interpreter on the CPU
 (conftest); `test_table.py` runs a host table with a cache on the GPU."""
@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant
-from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows, load_calibration_tokens
+from qwen4_exp_hcu.kernels.gather_dequant import BF16, INT8, gather_dequant, gather_dequant_reference
 from qwen4_exp_hcu.ple.formats.int8 import quantize_rows
-from qwen4_exp_hcu.ple.table import gather_dequant_reference
+from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows, load_calibration_tokens
 
 D = 16
 cpu_only = pytest.mark.cpu_only  # the kernel over CPU tensors runs under the interpreter, where no GPU is
@@ -29,9 +28,13 @@ def zipf_ids(n: int, t: int, g: torch.Generator, shift: int) -> torch.Tensor:
     return ((torch.multinomial(ranks, 2 * t, True, generator=g) + shift) % (n + 6) - 3).view(t, 2)
 
 
+def reference(ids, w, s, start):
+    return gather_dequant_reference(ids, w, s, start, kind=BF16 if s is None else INT8)
+
+
 def through_cache(ids, w, s, start, hot):
     out = torch.full((ids.shape[0], ids.shape[1] * D), float("nan"), dtype=torch.bfloat16)
-    return gather_dequant(ids, w, s, start, out, cache=hot.tensors)
+    return gather_dequant(ids, w, s, start, out, kind=BF16 if s is None else INT8, cache=hot.tensors)
 
 
 def check_consistent(hot: HotRows, w, s):
@@ -65,7 +68,7 @@ def test_lookups_through_a_refreshing_cache_are_exact(fmt, n, slots, seed, steps
         before = hot.counts.clone()
         hot.observe(ids)
         got = through_cache(ids, w, s, start, hot)
-        assert torch.equal(got, gather_dequant_reference(ids, w, s, start))
+        assert torch.equal(got, reference(ids, w, s, start))
         if step % 2 == 1:  # refreshed from the counts after this lookup, then halved
             local = ids.flatten() - start
             counted = before + torch.bincount(torch.where((local >= 0) & (local < n), local, n), minlength=n + 1).int()
@@ -113,7 +116,7 @@ def test_a_wrong_cached_row_is_caught():
     ids = zipf_ids(50, 40, g, shift=0).clamp(0, 49)
     hot.fill(ids)
     hot.rows[hot.map[ids[0]].long()] += 1
-    assert not torch.equal(through_cache(ids, w, s, 0, hot), gather_dequant_reference(ids, w, s, 0))
+    assert not torch.equal(through_cache(ids, w, s, 0, hot), reference(ids, w, s, 0))
 
 
 def test_calibration_fill_caches_the_most_frequent_rows_and_reports_their_share():

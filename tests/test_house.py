@@ -23,11 +23,6 @@ LAYERS = [
     {"ple"},
     {"quantize", "checkpoint_folder", "tiny", "model", "vllm_plugin", "startup_report", "demo"},
 ]
-# What the house redesign (#64) has still to fix: each entry goes when its fix lands, and the list ends empty.
-PENDING = {
-    "qwen4_exp_hcu.kernels.gather_dequant -> qwen4_exp_hcu.ple.formats.rows",
-    "qwen4_exp_hcu/ple/tiers/file_rows.py", "qwen4_exp_hcu/ple/table.py:__init__",
-}
 # A date, a month, a numbered run / session / round, a commit the code was at, or what the code was before, told
 # as history.
 HISTORY = re.compile(
@@ -86,7 +81,6 @@ def test_imports_point_down():
         for target in {_known(n, modules) for n in _imports(module, path)} - {None, "qwen4_exp_hcu"}:
             if _layer(target) > _layer(module):
                 upward.append(f"{module} -> {target}")
-    upward = [u for u in upward if u not in PENDING]
     assert not upward, upward
 
 
@@ -94,7 +88,6 @@ def test_kernels_import_only_kernels_and_env():
     modules = _modules()
     for module, path in _modules(PACKAGE / "kernels").items():
         targets = {_known(n, modules) for n in _imports(module, path)} - {None}
-        targets = {t for t in targets if f"{module} -> {t}" not in PENDING}
         assert all(t.startswith("qwen4_exp_hcu.kernels") or t == "qwen4_exp_hcu.env" for t in targets), (module, targets)
 
 
@@ -122,8 +115,6 @@ def test_no_import_circle():
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_is_small_enough_to_read(path):
-    if str(path.relative_to(ROOT)) in PENDING:
-        pytest.xfail("#64")
     assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES
 
 
@@ -137,7 +128,7 @@ def _functions(path: Path):
 def test_functions_are_short_outside_kernels(folder):
     long = [f"{p.relative_to(ROOT)}:{name} ({n} lines)" for p in sorted((ROOT / folder).rglob("*.py"))
             if "kernels" not in p.parts for name, n in _functions(p)
-            if n > MAX_FUNCTION_LINES and f"{p.relative_to(ROOT)}:{name}" not in PENDING]
+            if n > MAX_FUNCTION_LINES]
     assert not long, long
 
 

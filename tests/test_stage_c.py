@@ -1,5 +1,5 @@
-"""`ple/tiers/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the Python implementation it
-replaced): on a checkpoint of several shard files with two parts of different row bytes, an owned range that starts
+"""`ple/tiers/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the same work in
+Python): on a checkpoint of several shard files with two parts of different row bytes, an owned range that starts
 inside a shard, unowned ids, hot-row flags, promotions with and without a cap, and staging that grows mid-run, every
 lookup maps ids to the same bytes, and the counts, candidates, promotions and resident slots stay identical.
 Promotions see their candidates sorted in both (numpy handed them over sorted, C in first-read order; which row
@@ -10,14 +10,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileRows, FileTier
+from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+from qwen4_exp_hcu.ple.tiers.file_rows import FileRows, FileTier
 
 W_BYTES, S_BYTES = 8, 2
 
 
 class _Oracle:
-    """Numpy staging and counting, as `FileRows` did them before `stage.c` (443d50a), over another `FileRows`'
-    buffers, slot maps and promotions."""
+    """Numpy staging and counting, the work of `stage.c` in Python, over another `FileRows`' buffers, slot maps
+    and promotions."""
 
     def __init__(self, rows: FileRows) -> None:
         self.rows, self.counted, self.lookups = rows, [], 0
@@ -33,7 +34,7 @@ class _Oracle:
         at = r.slot_of[wanted]
         miss = at < 0
         rows, inverse = np.unique(wanted[miss], return_inverse=True)
-        r._read(rows, r.slots)
+        r.shards.read(rows, r.staging.bytes, r.slots)
         at[miss] = r.slots + inverse.reshape(-1)
         slot = np.where(owned, 0, -1)
         slot[need] = at
@@ -86,7 +87,7 @@ def _rows(path, start: int, n: int, shard_rows: int, slots: int, **tier) -> File
 
 
 def _candidates(rows: FileRows) -> np.ndarray:
-    return np.concatenate([rows._carried, rows._fresh[: rows._state.fresh_len]])
+    return np.concatenate([rows._carried, rows._fresh[: rows.staging.state.fresh_len]])
 
 
 CASES = {  # rows, shard_rows, start, n, slots, refresh_every, promote_rows, staging_rows, max_tokens
@@ -116,7 +117,7 @@ def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
         ids = np.where(kind < 0.45, hot[rng.integers(0, hot.size, size)],
                        np.where(kind < 0.9, rng.integers(start, start + n, size), rng.choice(edges, size))).astype(np.int64)  # fmt: skip
         cached = rng.random(size) < 0.25 if step % 3 == 1 else None
-        oracle.rows._reserve(size, torch.device("cpu"))
+        oracle.rows.staging.reserve(size, torch.device("cpu"))
         want = oracle.stage(ids, cached)
         got = ours.stage(torch.from_numpy(ids), None if cached is None else torch.from_numpy(cached)).numpy()
         owned = (ids >= start) & (ids < start + n)
@@ -124,7 +125,7 @@ def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
         read = owned & ~served
         assert (got[~owned] == -1).all() and (got[served] == 0).all(), step
         for part, rows in table.items():
-            assert np.array_equal(ours._bytes[part][got[read]], rows[ids[read]]), (step, part)
+            assert np.array_equal(ours.staging.bytes[part][got[read]], rows[ids[read]]), (step, part)
         staged = got[read][got[read] >= ours.slots]  # each distinct missing row once, from the staging area's start
         distinct = np.unique(ids[read][got[read] >= ours.slots]).size
         assert np.unique(staged).size == distinct and (not distinct or staged.max() == ours.slots + distinct - 1), step
@@ -134,8 +135,8 @@ def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
         assert np.array_equal(ours.slot_row, r.slot_row) and (ours.refreshes, ours.share) == (r.refreshes, r.share), step
         if ours.counts is not None:
             assert set(_candidates(ours).tolist()) == set(np.concatenate(oracle.counted).tolist() if oracle.counted else []), step
-            assert ours._state.lookups == oracle.lookups, step
-    assert ours.host_stats().calls == 60
+            assert ours.staging.state.lookups == oracle.lookups, step
+    assert ours.staging.host_stats().calls == 60
 
 
 @pytest.mark.parametrize("cap", [1, 7, 33])
@@ -146,7 +147,7 @@ def test_early_promotions_keep_every_counted_row_a_candidate(tmp_path, cap):
     table = _checkpoint(tmp_path, total, shard_rows, 0)
     rows = _rows(tmp_path, start, n, shard_rows, 60, refresh_every=50, promote_rows=5, staging_rows=16)
     rows._fresh = np.empty(cap, dtype=np.int64)
-    rows._state.fresh, rows._state.fresh_cap = rows._fresh.ctypes.data, cap
+    rows.staging.state.fresh, rows.staging.state.fresh_cap = rows._fresh.ctypes.data, cap
     rng = np.random.default_rng(cap)
     for step in range(40):
         ids = rng.integers(start - 3, start + n + 3, int(rng.integers(0, 60)) * 4).astype(np.int64)
@@ -154,7 +155,7 @@ def test_early_promotions_keep_every_counted_row_a_candidate(tmp_path, cap):
         owned = (ids >= start) & (ids < start + n)
         assert (got[~owned] == -1).all()
         for part, want in table.items():
-            assert np.array_equal(rows._bytes[part][got[owned]], want[ids[owned]]), step
+            assert np.array_equal(rows.staging.bytes[part][got[owned]], want[ids[owned]]), step
         candidates = _candidates(rows)
         assert np.unique(candidates).size == candidates.size and set(candidates.tolist()) == set(np.flatnonzero(rows.counts).tolist())
     assert rows.refreshes > 5

@@ -40,7 +40,7 @@ def _inspect(path):
             ids = torch.arange(table.start, table.end).view(-1, 1)
             whole = load_ple_layer(path, index.layer_id, PLEStorage(host=True)).table.lookup(ids)
             # after CUDA graphs capture the file tier's buffers, a lookup holds at most its staging area's ids
-            chunk = len(ids) if table.file_rows is None else table.file_rows.staging
+            chunk = len(ids) if table.file_rows is None else table.file_rows.staging.capacity
             live = torch.cat([table.lookup(c.to(table.compute_device)).cpu() for c in ids.split(chunk)])
             found.append((block.table_report()["describe"], torch.equal(live, whole)))
         return found
@@ -206,19 +206,21 @@ def test_file_tier_needs_host_tables(tiny, tmp_path):
 
     config = engine_config()
     with pytest.raises(ValueError, match="host_table_gib .* needs --engram-config.cpu_offload=True"):
-        file_tier_settings(config, PLEStorage("int8", device="cuda", host=False), False)
-    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
+        file_tier_settings(config, PLEStorage("int8", device="cuda", host=False))
+    with pytest.raises(ValueError, match=r"host_table_gib does not combine with 2 MiB host pages \(.*use_thp\)"):
+        file_tier_settings(config, PLEStorage("int8", device="cuda", host=True, huge_pages=True))
+    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True))
     assert tier.resident_bytes == 2**30 // len(ple_layers(text)) and calibration is None
     heads = (text.ngram_size - 1) * text.heads_per_ngram
     assert tier.staging_rows == 64 * heads  # every id of the largest step
     rank = SimpleNamespace(rank_in_group=0)
     across = PLEStorage("int8", device="cuda", host=True, etp_group=SimpleNamespace(world_size=8, **vars(rank)),
                         across_dp=True, replica_group=SimpleNamespace(world_size=2, **vars(rank)))  # fmt: skip
-    tier, _ = file_tier_settings(config, across, False)
+    tier, _ = file_tier_settings(config, across)
     assert tier.staging_rows == 8 * 32 * heads  # across DP: every ETP rank's slice (64 tokens over TP 2) of its replica's
     assert tier.refresh_every > 0  # uncalibrated: the resident rows follow the traffic
     config = engine_config(host_table_calibration=str(_calibration(tmp_path)))
-    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True), False)
+    tier, calibration = file_tier_settings(config, PLEStorage("int8", device="cuda", host=True))
     assert tier.refresh_every == 0 and calibration is not None  # calibrated: they stay as calibrated
 
 

@@ -1,19 +1,19 @@
 """Fused gather + dequantize over a PLE table shard, device-resident or pinned host (UVA).
 
 One pass: each (token, head) reads its row (and scales) straight from wherever the table lives,
-dequantizes in fp32 and writes bf16 into the output slice ``out[t, h*d:(h+1)*d]``. The row format is a
-compile-time switch: BF16, INT8 + per-row bf16 scale, FP8 e4m3 + per-table scale (bf16-valued, so the fp32
-product equals upstream's bf16 one), NVFP4 (packed
-e2m1 + e4m3 block scales + fp32 global scale; `qwen4_exp_hcu.ple.formats.rows`). Row ids outside the owned
-range ``[start, start + n_rows)`` write zeros (the ETP combine sums the shards), and masked loads
-guarantee nothing outside the table is ever read. Float8 bytes are decoded with integer ops, so the
-interpreter (CPU) and the GPU agree bit for bit. The format follows the storage dtype.
+dequantizes in fp32 and writes bf16 into the output slice ``out[t, h*d:(h+1)*d]``. The row layout (`kind`) is a
+compile-time switch, passed by the caller (a format's `TableFormat.kernel_args`): `BF16` rows, `INT8` rows times
+a per-row scale, `FP8` e4m3 rows times one table scale (bf16-valued, so the fp32 product equals upstream's bf16
+one), `NVFP4` e2m1 values packed two per byte times e4m3 block scales (one per `block` values) times one fp32
+table scale. Row ids outside the owned range ``[start, start + n_rows)`` write zeros (the ETP combine sums the
+shards), and masked loads guarantee nothing outside the table is ever read. Float8 bytes are decoded with
+integer ops, so the interpreter (CPU) and the GPU agree bit for bit.
 
 Host tables are bound by address translation of random rows, not by PCIe bandwidth, so `sort` visits
 the rows in id order (neighbouring programs touch neighbouring pages; the permutation scatters results
 back). An optional GPU cache of hot rows (`cache_map[row] -> slot`, -1 = miss; or, `cache_by_pair`, one slot per
 (token, head) when the ids are not table rows) is checked in the same kernel; hits never touch host memory.
-`gather_dequant_reference` is the same in torch.
+`gather_dequant_reference` is the same in torch: one fp32 product of a row's values and its scales, one rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen4_exp_hcu.ple.formats.rows import FORMATS, table_format
+BF16, INT8, FP8, NVFP4 = range(4)  # the row layouts `kind` selects
+CACHED_KINDS = (BF16, INT8)  # whole rows with at most one scale each: what the hot-row cache path reads
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code & 7 (sign in bit 3)
 
 
 @triton.jit
@@ -59,11 +61,11 @@ def _e2m1_to_f32(code):
 def _gather_dequant_kernel(
     ids_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, map_ptr, cw_ptr, cs_ptr, out_ptr,
     n_pairs, start, n_rows,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     FMT: tl.constexpr, HAS_PERM: tl.constexpr, HAS_CACHE: tl.constexpr, CACHE_BY_PAIR: tl.constexpr,
 ):
-    """FMT (`TableFormat.kernel`): 0 bf16, 1 int8 + row scale, 2 fp8 (bytes) + tensor scale, 3 nvfp4 (packed
-    bytes, block-scale bytes, global scale). The hot-row cache serves formats 0 and 1."""
+    """FMT (`kind`): 0 bf16, 1 int8 + row scale, 2 fp8 (bytes) + tensor scale, 3 nvfp4 (packed bytes, one
+    block-scale byte per SCALE_BLOCK values, global scale). The hot-row cache is read by kinds 0 and 1."""
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -76,7 +78,7 @@ def _gather_dequant_kernel(
     if FMT == 3:
         packed = tl.load(w_ptr + row[:, None] * (D // 2) + cols[None, :] // 2, mask=lmask, other=0)
         code = (packed.to(tl.uint32) >> ((cols[None, :] % 2) * 4).to(tl.uint32)) & 0xF
-        block = tl.load(s_ptr + row[:, None] * (D // 16) + cols[None, :] // 16, mask=lmask, other=0)
+        block = tl.load(s_ptr + row[:, None] * (D // SCALE_BLOCK) + cols[None, :] // SCALE_BLOCK, mask=lmask, other=0)
         w = _e2m1_to_f32(code) * _e4m3_to_f32(block)
         w = w * tl.load(g_ptr).to(tl.float32)
     elif FMT == 2:
@@ -105,26 +107,20 @@ def _gather_dequant_kernel(
 
 
 def gather_dequant(
-    ids, weight, scale, start: int, out, *, global_scale=None, block_p: int = 16, num_warps: int = 4,
-    sort: bool = False, cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    ids, weight, scale, start: int, out, *, kind: int, block: int | None = None, global_scale=None, block_p: int = 16,
+    num_warps: int = 4, sort: bool = False, cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     cache_by_pair: bool = False,
 ) -> torch.Tensor:
-    """ids [T, H] int64 -> out [T, H*d] bf16. The format follows the storage dtypes (`ple.formats`):
-    bf16 weight (scale None); int8 weight + [n, 1] bf16 scale; float8_e4m3fn weight + fp32 scalar
-    scale; uint8 packed weight [n, d/2] + e4m3 [n, d/16] scale + fp32 `global_scale`.
-    `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales): BF16/INT8 only; with
-    `cache_by_pair` the map is [T*H], one slot per (token, head), and a hit's id may be any owned row."""
-    fmt = FORMATS[table_format(weight, scale)]
-    if cache is not None and not fmt.hot_rows:
-        raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {weight.dtype}.")
-    if (global_scale is not None) != (fmt.row_scale is not None and fmt.table_scale is not None):
-        raise ValueError("global_scale is the NVFP4 tensor scale: needed by NVFP4 tables, taken by no other.")
+    """ids [T, H] int64 -> out [T, H*d] bf16, rows of layout `kind`: bf16 weight (scale None); int8 weight + [n, 1]
+    scale; float8_e4m3fn weight + fp32 scalar scale; uint8 packed weight [n, d/2] + e4m3 [n, d/block] scale + fp32
+    `global_scale`. `cache` = (map [n_rows] int32 row -> slot or -1, cached rows, their scales), for `CACHED_KINDS`;
+    with `cache_by_pair` the map is [T*H], one slot per (token, head), and a hit's id may be any owned row."""
+    _check(kind, scale, block, global_scale)
+    if cache is not None and kind not in CACHED_KINDS:
+        raise ValueError(f"gather_dequant: the hot-row cache is read by kinds {CACHED_KINDS}, not {kind}.")
     n_pairs = ids.numel()
     if n_pairs:
-        d = weight.shape[1] * fmt.pack
-        block = fmt.row_scale.block if fmt.row_scale else None
-        if block and d % block:
-            raise ValueError(f"{fmt.name.upper()} rows must hold a multiple of {block} values, got {d}.")
+        d = _width(kind, weight)
         flat, perm = ids.reshape(-1), None
         if sort:
             flat, perm = torch.sort(flat)
@@ -135,23 +131,51 @@ def gather_dequant(
             flat, perm if sort else flat, w, s, global_scale if global_scale is not None else s,
             cmap, cw, cs if cs is not None else cw, out,
             n_pairs, start, weight.shape[0],
-            D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
-            FMT=fmt.kernel, HAS_PERM=sort, HAS_CACHE=cache is not None, CACHE_BY_PAIR=cache_by_pair, num_warps=num_warps,
+            D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p, SCALE_BLOCK=block or 1,
+            FMT=kind, HAS_PERM=sort, HAS_CACHE=cache is not None, CACHE_BY_PAIR=cache_by_pair, num_warps=num_warps,
         )
     return out
 
 
-def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None) -> torch.Tensor:
-    """`gather_dequant` in torch, returning [T, H*d] bf16: each format's `TableFormat.dequantize`."""
-    fmt = FORMATS[table_format(weight, scale)]
-    n, d = weight.shape[0], weight.shape[1] * fmt.pack
+def _check(kind: int, scale, block: int | None, global_scale) -> None:
+    """What each layout reads beside its rows: a scale (all but BF16); NVFP4 its block size and a global scale."""
+    if kind not in (BF16, INT8, FP8, NVFP4):
+        raise ValueError(f"gather_dequant: kind {kind} is none of the row layouts (BF16, INT8, FP8, NVFP4 = 0..3).")
+    if (scale is None) != (kind == BF16):
+        raise ValueError(f"gather_dequant: kind {kind} rows {'take no' if kind == BF16 else 'need a'} scale.")
+    if (global_scale is not None) != (kind == NVFP4) or (kind == NVFP4 and not block):
+        raise ValueError("gather_dequant: NVFP4 rows need `block` and `global_scale`; no other kind takes a global scale.")
+
+
+def _width(kind: int, weight: torch.Tensor) -> int:
+    """Values per row: NVFP4 packs two in each stored byte."""
+    return weight.shape[1] * (2 if kind == NVFP4 else 1)
+
+
+def gather_dequant_reference(ids, weight, scale, start: int, global_scale=None, *, kind: int, block: int | None = None):
+    """`gather_dequant` in torch, returning [T, H*d] bf16."""
+    _check(kind, scale, block, global_scale)
+    n, d = weight.shape[0], _width(kind, weight)
     local = ids.long() - start
     owned = (local >= 0) & (local < n)
     if n == 0:
         return torch.zeros(*ids.shape[:-1], ids.shape[-1] * d, dtype=torch.bfloat16, device=ids.device)
     rows = local.clamp(0, n - 1).reshape(-1)
-    # the kernel's convention: `scale` holds the row scales, or the table scale of a format without them
-    row_scale, table_scale = (scale[rows], global_scale) if fmt.row_scale else (None, scale)
-    vals = fmt.dequantize(weight[rows], row_scale, table_scale).view(*local.shape, d)
+    # `scale` holds the row scales (INT8, NVFP4), or the table scale of a layout without them (FP8)
+    row_scale, table_scale = (scale[rows], global_scale) if kind in (INT8, NVFP4) else (None, scale)
+    vals = _dequantize(kind, weight[rows], row_scale, table_scale, block).view(*local.shape, d)
     vals = torch.where(owned[..., None], vals, torch.zeros((), dtype=torch.bfloat16, device=vals.device))
     return vals.flatten(-2)
+
+
+def _dequantize(kind: int, rows: torch.Tensor, row_scale, table_scale, block: int | None) -> torch.Tensor:
+    """[n, stored] rows -> [n, d] bf16: values times their row or block scales, times the table scale, in fp32."""
+    if kind == NVFP4:
+        codes = torch.stack([rows & 0xF, rows >> 4], dim=-1).flatten(-2).long()  # low nibble first
+        values = torch.tensor(_E2M1, device=rows.device)[codes & 7]
+        w = torch.where(codes >= 8, -values, values) * row_scale.float().repeat_interleave(block, dim=-1)
+    else:
+        w = rows.float() if row_scale is None else rows.float() * row_scale.float()
+    if table_scale is not None:
+        w = w * table_scale.float().reshape(())
+    return w.to(torch.bfloat16)

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 
 from qwen4_exp_hcu.env import prefetch_enabled
 from qwen4_exp_hcu.names import ple_layers
-from qwen4_exp_hcu.ple.formats.rows import FORMATS
+from qwen4_exp_hcu.ple.formats.rows import check_hot_rows
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.settings import ENGRAM, WHERE, engine_settings
 
@@ -51,8 +51,9 @@ class PLEPlacement:
         shared = dp_shared_host(vllm_config, storage) if share else None
         # 2 MiB host pages (vLLM accepts use_thp only with cpu_offload and without dp_shared_memory)
         huge_pages = engram.use_thp and cpu_offload and shared is None
-        file_tier, self.file_calibration = file_tier_settings(vllm_config, storage, shared is not None or huge_pages)
-        self.storage = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages, file_tier=file_tier)
+        placed = dataclasses.replace(storage, shared=shared, huge_pages=huge_pages)
+        file_tier, self.file_calibration = file_tier_settings(vllm_config, placed)
+        self.storage = dataclasses.replace(placed, file_tier=file_tier)
         self.hot_rows = hot_rows_settings(vllm_config, self.storage)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.prefetch = PrefetchWorkspace([], max_tokens, device) if prefetch_enabled() else None
@@ -91,18 +92,18 @@ def hot_rows_settings(vllm_config: VllmConfig, storage: PLEStorage):
             f"{WHERE}.hot_rows_gib caches host-resident PLE rows in accelerator memory: it needs "
             f"--engram-config.cpu_offload=True on an accelerator (here: cpu_offload={storage.host}, device {device})."
         )
-    if not FORMATS[storage.format].hot_rows:
-        raise ValueError(f"{WHERE}.hot_rows_gib: the hot-row cache serves BF16 and INT8 PLE tables, not {storage.format}.")
+    check_hot_rows(storage.format, f"{WHERE}.hot_rows_gib: ")
     config = vllm_config.model_config.hf_text_config
     tokens = None if calibration is None else load_calibration_tokens(calibration, config.vocab_size)
     return int(gib * 2**30) // len(ple_layers(config)), tokens
 
 
-def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_huge: bool):
+def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage):
     """(`FileTier` or None, its calibration tokens or None) from `host_table_gib`: the checkpoint's files, and the
     host bytes of each PLE layer's resident rows."""
     from qwen4_exp_hcu.ple.etp import looked_up_tokens
-    from qwen4_exp_hcu.ple.tiers.file_rows import CheckpointFiles, FileTier
+    from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileTier, excluded_settings
     from qwen4_exp_hcu.ple.hashing import ngram_heads
     from qwen4_exp_hcu.ple.tiers.hot_rows import load_calibration_tokens
 
@@ -111,8 +112,8 @@ def file_tier_settings(vllm_config: VllmConfig, storage: PLEStorage, shared_or_h
         return None, None
     if not storage.host:
         raise ValueError(f"{WHERE}.host_table_gib keeps part of host-resident PLE tables in files: it needs --engram-config.cpu_offload=True.")
-    if shared_or_huge:
-        raise ValueError(f"{WHERE}.host_table_gib does not combine with --engram-config.dp_shared_memory or use_thp.")
+    if excluded := excluded_settings(storage):
+        raise ValueError(f"{WHERE}.host_table_gib does not combine with {', '.join(excluded)} (--engram-config.dp_shared_memory, use_thp).")
     config = vllm_config.model_config.hf_text_config
     files = CheckpointFiles(checkpoint_directory(vllm_config))
     # staging for every id the largest step looks up (tokens x n-gram heads), so it never grows (and re-pins) while

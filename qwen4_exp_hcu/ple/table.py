@@ -2,7 +2,7 @@
 
 Stored as BF16, INT8 + one bf16 scale per row, or upstream's FP8 / NVFP4 layouts (`ple.formats`), on the
 accelerator or in host memory (pinned when an accelerator exists, so the lookup kernel reads it over UVA;
-optionally one copy per node shared by the DP replicas, `ple.host_memory`). Checkpoint shards stream straight
+optionally one copy per node shared by the DP replicas, `tiers.host_memory`). Checkpoint shards stream straight
 into the final storage: no full-table temporary and no trip through the accelerator.
 """
 
@@ -12,12 +12,12 @@ import torch
 
 from qwen4_exp_hcu.kernels import dispatch
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant, gather_dequant_reference
-from qwen4_exp_hcu.ple.tiers.file_rows import FileRows
-from qwen4_exp_hcu.ple.formats.rows import FORMATS, TableFormat, stored_as
+from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
+from qwen4_exp_hcu.ple.formats.rows import FORMATS, TableFormat, check_hot_rows, stored_as
+from qwen4_exp_hcu.ple.storage import PLEStorage
+from qwen4_exp_hcu.ple.tiers.file_rows import FileRows, excluded_settings
 from qwen4_exp_hcu.ple.tiers.host_memory import huge_page_empty, pinned_empty
 from qwen4_exp_hcu.ple.tiers.hot_rows import HotRows
-from qwen4_exp_hcu.ple.formats.int8 import dequantize_rows, quantize_rows, validate_int8_weight, validate_scale
-from qwen4_exp_hcu.ple.storage import PLEStorage
 
 
 def _source_format(weight: torch.Tensor, name: str) -> TableFormat:
@@ -26,6 +26,22 @@ def _source_format(weight: torch.Tensor, name: str) -> TableFormat:
     if fmt is None:
         raise ValueError(f"{name}: a PLE table shard cannot be {weight.dtype}.")
     return fmt
+
+
+def _table_format(name: str, dim: int) -> TableFormat:
+    if name not in FORMATS:
+        raise ValueError(f"PLE table format {name!r} is not one of {tuple(FORMATS)}.")
+    FORMATS[name].check_width(dim)
+    return FORMATS[name]
+
+
+def _file_rows(storage: PLEStorage, start: int, n: int, shard_rows: int, row_bytes: int, allocate) -> FileRows:
+    """The file tier over owned rows `[start, start + n)`, its buffers from `allocate`."""
+    excluded = excluded_settings(storage)
+    if excluded:
+        raise ValueError(f"PLE rows from files keep their resident rows in private 4 KiB host pages with their scales: "
+                         f"not with {', '.join(excluded)}.")  # fmt: skip
+    return FileRows(storage.file_tier, start, n, shard_rows, row_bytes, allocate)
 
 
 def _validate_packed(fmt: TableFormat, packed: torch.Tensor, block_scale: torch.Tensor | None, rows: int, dim: int,
@@ -61,70 +77,65 @@ class PLETable:
         end = rows if end is None else end
         if not 0 <= start <= end <= rows:
             raise ValueError(f"PLE table row range [{start}, {end}) is not inside the table's {rows} rows.")
-        fmt, host, shared = storage.format or "bf16", storage.host, storage.shared
-        if fmt not in FORMATS:
-            raise ValueError(f"PLE table format {fmt!r} is not one of {tuple(FORMATS)}.")
-        self.format = spec = FORMATS[fmt]
-        block = spec.row_scale.block if spec.row_scale else None
-        if block and dim % block:
-            raise ValueError(f"{fmt.upper()} PLE rows hold blocks of {block} values; the head dim {dim} is not a multiple.")
+        self.format = _table_format(storage.format or "bf16", dim)
         self.rows, self.dim, self.start, self.end = rows, dim, start, end
         self.shard_rows = shard_rows or rows
         self.compute_device = torch.device(storage.device)
-        pin = host and torch.cuda.is_available()
-        if host and self.compute_device.type != "cpu" and not pin:
-            raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
-        if shared is not None and not host:
-            raise ValueError("dp_shared_memory shares host-resident PLE tables; this table is on the accelerator.")
-        self.shared = shared  # the DP replicas on this node map one copy; its first rank fills it
-        where = torch.device("cpu") if host else self.compute_device
+        self.shared = storage.shared  # the DP replicas on this node map one copy; its first rank fills it
         self.pages = "4k"  # host pages: "4k", "thp" or "hugetlb"
-        on_device = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=self.compute_device)  # noqa: E731
-        if shared is not None:
-            alloc = lambda shape, dtype, name: shared.empty(name, shape, dtype)  # noqa: E731
-        elif host and storage.huge_pages:
-            alloc = self._huge_page_alloc
-        elif pin:
-            alloc = lambda shape, dtype, name: pinned_empty(shape, dtype)  # noqa: E731
+        self._alloc = self._allocator(storage)
+        self._scale_alloc = self._on_device if storage.scales_on_device else self._alloc
+        self.file_rows: FileRows | None = None  # rows beyond host RAM stay in the checkpoint's files (`file_rows`)
+        if storage.file_tier is None:
+            self._allocate(end - start)
         else:
-            alloc = lambda shape, dtype, name: torch.empty(shape, dtype=dtype, device=where)  # noqa: E731
-        n = end - start
-        self.file_rows: FileRows | None = None  # rows beyond host RAM stay in the checkpoint's files (`ple.file_rows`)
-        tier = storage.file_tier
-        if tier is not None and (shared is not None or storage.scales_on_device or storage.huge_pages):
-            raise ValueError("PLE rows from files keep their resident rows in private 4 KiB host pages with their scales.")
-        row_scale = spec.row_scale
-        scale_alloc = on_device if storage.scales_on_device else alloc
-
-        def resize(rows: int, keep: int = 0) -> dict[str, torch.Tensor]:
-            """(Re)allocate the per-row buffers for `rows` rows, keeping the first `keep` (the file tier's staging grows)."""
-            old = self._parts() if keep else {}
-            self.weight = alloc(spec.weight_shape(rows, dim), getattr(torch, spec.weight), "weight")
-            self.scale = None if row_scale is None else scale_alloc(row_scale.shape(rows, dim), getattr(torch, row_scale.dtype), "scale")
-            for part, t in self._parts().items():
-                if part in old:
-                    t[:keep].copy_(old[part][:keep])
-            return self._parts()
-
-        if tier is None:
-            resize(n)
-        else:
-            self.file_rows = FileRows(tier, start, n, self.shard_rows, spec.row_bytes(dim), resize)
-        # one fp32 scale for the whole table (`set_table_scale`)
-        self._scale_name: str | None = None
+            self.file_rows = _file_rows(storage, start, end - start, self.shard_rows, self.format.row_bytes(dim), self._allocate)
+        self._scale_name: str | None = None  # one fp32 scale for the whole table (`set_table_scale`)
         self.tensor_scale = (
-            torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if spec.table_scale else None
+            torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if self.format.table_scale else None
         )
         self._loaded: set[int] = set()
         self.hot: HotRows | None = None  # GPU cache of the most used rows (`enable_hot_rows`)
 
+    def _allocator(self, storage: PLEStorage):
+        """How the per-row buffers are allocated: in the DP-shared host copy, on 2 MiB host pages, pinned (read by an
+        accelerator over UVA), or plainly on the table's device."""
+        host, pin = storage.host, storage.host and torch.cuda.is_available()
+        if host and self.compute_device.type != "cpu" and not pin:
+            raise ValueError("host-resident PLE tables need UVA (pinned host memory) on the accelerator.")
+        if self.shared is not None and not host:
+            raise ValueError("dp_shared_memory shares host-resident PLE tables; this table is on the accelerator.")
+        if self.shared is not None:
+            return lambda shape, dtype, part: self.shared.empty(part, shape, dtype)
+        if host and storage.huge_pages:
+            return self._huge_page_empty
+        if pin:
+            return lambda shape, dtype, part: pinned_empty(shape, dtype)
+        where = torch.device("cpu") if host else self.compute_device
+        return lambda shape, dtype, part: torch.empty(shape, dtype=dtype, device=where)
+
+    def _on_device(self, shape, dtype, part) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.compute_device)
+
+    def _huge_page_empty(self, shape, dtype, part) -> torch.Tensor:
+        tensor, self.pages = huge_page_empty(shape, dtype, f"PLE table rows [{self.start}, {self.end}) {part}")
+        return tensor
+
+    def _allocate(self, rows: int, keep: int = 0) -> dict[str, torch.Tensor]:
+        """(Re)allocate the per-row buffers for `rows` rows, keeping the first `keep` (the file tier's staging grows)."""
+        old = self._parts() if keep else {}
+        fmt = self.format
+        self.weight = self._alloc(fmt.weight_shape(rows, self.dim), getattr(torch, fmt.weight), "weight")
+        scale = fmt.row_scale
+        self.scale = None if scale is None else self._scale_alloc(scale.shape(rows, self.dim), getattr(torch, scale.dtype), "scale")
+        for part, t in self._parts().items():
+            if part in old:
+                t[:keep].copy_(old[part][:keep])
+        return self._parts()
+
     def _parts(self) -> dict[str, torch.Tensor]:
         """The per-row buffers by checkpoint part."""
         return {"weight": self.weight} | ({"weight_scale": self.scale} if self.scale is not None else {})
-
-    def _huge_page_alloc(self, shape, dtype, name) -> torch.Tensor:
-        tensor, self.pages = huge_page_empty(shape, dtype, f"PLE table rows [{self.start}, {self.end}) {name}")
-        return tensor
 
     @property
     def quantized(self) -> bool:
@@ -227,11 +238,10 @@ class PLETable:
     # ---- hot-row cache ---------------------------------------------------------------------------
     def enable_hot_rows(self, slots: int, observe: bool = False) -> HotRows:
         """A GPU cache of `slots` owned rows, empty until filled (`hot.fill(calibration ids)`) or, with
-        `observe`, refreshed from the rows this table's lookups read (see `ple.hot_rows`)."""
+        `observe`, refreshed from the rows this table's lookups read (see `tiers.hot_rows`)."""
         if self.weight.device == self.compute_device:
             raise ValueError("a hot-row cache only helps a host-resident PLE table read by an accelerator.")
-        if not self.format.hot_rows:
-            raise ValueError(f"the hot-row cache serves BF16 and INT8 PLE tables, not {self.format.name}.")
+        check_hot_rows(self.format.name)
         weight, scale = self.weight, self.scale
         if self.file_rows is not None:  # in front of the file tier: newcomers come from the files
             weight = self.file_rows.mapped("weight")
@@ -274,7 +284,7 @@ class PLETable:
         tuning = self.DEVICE_TUNING if self.weight.device == self.compute_device else self.HOST_TUNING
         out = dispatch(
             gather_dequant, gather_dequant_reference, ids.contiguous(), self.weight, scale, start, out=out,
-            global_scale=global_scale, options=dict(cache=cache, cache_by_pair=by_pair, **tuning),
+            global_scale=global_scale, **self.format.kernel_args, options=dict(cache=cache, cache_by_pair=by_pair, **tuning),
         )
         if self.file_rows is not None:
             self.file_rows.lookup_done(self.compute_device)

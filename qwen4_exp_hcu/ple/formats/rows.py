@@ -1,6 +1,6 @@
 """The PLE table formats: one `TableFormat` record each in `FORMATS`, which every format rule reads (storage
-and loading in `ple.table`, the lookup kernel and its reference, the quantizer, the config declarations), and
-the arithmetic of the formats besides INT8 (`ple.int8`), in upstream vLLM's checkpoint layout:
+and loading in `ple.table`, which hands the lookup kernel its `kernel_args`, the quantizer, the config
+declarations), and the arithmetic of the formats besides INT8 (`ple.int8`), in upstream vLLM's checkpoint layout:
 
 * `fp8`: float8 e4m3 rows (`shard_{j}.weight`) and one scale for the whole table
   (`ngram_embedding.weight_scale`): `w = bf16(e4m3) * bf16(scale)`, multiplied in bf16 as upstream does.
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 NVFP4_BLOCK = 16
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code & 7 (sign in bit 3)
-# the same dtypes as safetensors headers name them (the quantizer plans files from headers alone)
+# the same dtypes as safetensors headers name them (the quantizer plans files from headers alone, without torch;
+# tests hold them to the safetensors library's own codes)
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "int8": "I8", "float8_e4m3fn": "F8_E4M3", "uint8": "U8"}
 
 
@@ -46,20 +47,19 @@ class RowScale:
 
 @dataclass(frozen=True)
 class TableFormat:
-    """How one format stores a table. `dequantize(rows, row scales, table scale)` is the torch reference of the
-    lookup kernel's `FMT == kernel` branch; `quantize(float rows, table scale) -> (rows, row scales)` and
+    """How one format stores a table. `dequantize(rows, row scales, table scale)` is its arithmetic, as upstream
+    dequantizes (the lookup kernel's `kind == kernel` branch reproduces it bit for bit); `quantize(float rows, table scale) -> (rows, row scales)` and
     `quantize_table_scale(largest magnitude)` are what the quantizer writes (None: it does not write this format)."""
 
     name: str  # as configs, `PLETable.format.name` and the quantizer's --format spell it
     weight: str  # dtype of the stored rows (`shard_{j}.weight`)
-    kernel: int  # `kernels.gather_dequant`'s FMT switch
+    kernel: int  # the row layout `kernels.gather_dequant` reads it as (its `kind`)
     dequantize: Callable
     label: str  # what `PLETable.describe` calls it
     pack: int = 1  # values per stored element
     row_scale: RowScale | None = None
     table_scale: str | None = None  # the one scale of the table: its checkpoint part (`names.TABLE_SCALE_PART`)
     table_scale_dtype: str | None = None  # its precision: what upstream multiplies in, what the quantizer writes
-    hot_rows: bool = False  # the lookup kernel's hot-row cache serves it (whole rows, at most one scale each)
     quantize: Callable | None = None
     quantize_table_scale: Callable | None = None
     upstream_dtype: str | None = None  # the text config's `ple_embedding_dtype` that declares it
@@ -68,6 +68,25 @@ class TableFormat:
     @property
     def checkpoint_dtype(self) -> str:
         return SAFETENSORS_DTYPES[self.weight]
+
+    @property
+    def kernel_args(self) -> dict:
+        """What the lookup kernel (`kernels.gather_dequant`) reads this format by: its row layout and the values per
+        block scale."""
+        return {"kind": self.kernel, "block": None if self.row_scale is None else self.row_scale.block}
+
+    @property
+    def hot_rows(self) -> bool:
+        """The hot-row cache serves it: the lookup kernel's cache path reads its rows (whole, one scale at most)."""
+        from qwen4_exp_hcu.kernels.gather_dequant import CACHED_KINDS
+
+        return self.kernel in CACHED_KINDS
+
+    def check_width(self, dim: int) -> None:
+        """Rows of `dim` values are whole blocks of this format's block scales, else an error naming the head dim."""
+        block = self.row_scale.block if self.row_scale else None
+        if block and dim % block:
+            raise ValueError(f"{self.name.upper()} PLE rows hold blocks of {block} values; the head dim {dim} is not a multiple.")
 
     def weight_shape(self, rows: int, dim: int) -> tuple[int, int]:
         return rows, dim // self.pack
@@ -99,6 +118,13 @@ def table_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
     if fmt is None or (scale is not None) != scaled or (fmt.row_scale and _name(scale.dtype) != fmt.row_scale.dtype):
         raise ValueError(f"PLE table: no row format stores weight {weight.dtype} with scale {getattr(scale, 'dtype', None)}.")
     return fmt.name
+
+
+def check_hot_rows(name: str, setting: str = "") -> None:
+    """A hot-row cache over a table of format `name`: an error (prefixed by `setting`) unless the cache serves it."""
+    if not FORMATS[name].hot_rows:
+        served = " and ".join(f.name.upper() for f in FORMATS.values() if f.hot_rows)
+        raise ValueError(f"{setting}the hot-row cache serves {served} PLE tables, not {name}.")
 
 
 def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -160,9 +186,9 @@ def _int8_quantize(rows: torch.Tensor, table_scale=None) -> tuple[torch.Tensor, 
 FORMATS: dict[str, TableFormat] = {
     f.name: f
     for f in (
-        TableFormat("bf16", "bfloat16", kernel=0, dequantize=lambda w, s, t: w, label="bf16", hot_rows=True),
+        TableFormat("bf16", "bfloat16", kernel=0, dequantize=lambda w, s, t: w, label="bf16"),
         TableFormat(
-            "int8", "int8", kernel=1, dequantize=_int8_rows, label="int8+bf16 scale", hot_rows=True,
+            "int8", "int8", kernel=1, dequantize=_int8_rows, label="int8+bf16 scale",
             row_scale=RowScale("bfloat16"),  # `ple.int8.SCALE_DTYPE`, compressed-tensors' scale
             quantize=_int8_quantize,
         ),

@@ -59,7 +59,6 @@ def launch(stream: torch.cuda.Stream, function: int, arg: int, what: str) -> Non
         raise RuntimeError(f"{what}: launching the host function failed with driver status {status}.")
 
 
-_CALLBACKS = []  # never freed: a captured graph or a queued launch may call one after its owner has gone
 CALLBACK_SWITCH_INTERVAL_S = 1e-5
 """The interpreter's switch interval while a callback runs. Every numpy call that gives up the GIL lets the engine's
 thread take it, and the callback waits up to the interval (5 ms by default) to get it back: beside a busy Python
@@ -68,10 +67,11 @@ thread a file-tier promotion takes 15x as long as alone, 3x with this interval (
 
 
 def guarded(fn: Callable[[], None], what: str) -> CALLBACK:
-    """`fn` as a C callback for a host function. A bound method is held weakly: its owner (the file tier's rows)
-    holds the callback, and a reference cycle would leave it to a garbage collection, which may run on the driver's
-    thread, freeing pinned memory there. A failure stops the process, naming `what`: nothing can be raised into the
-    stream, and the kernels after it would read stale rows."""
+    """`fn` as a C callback for a host function; whoever hands it to C keeps it (the file tier's host function state
+    holds it, and lives as long as the host nodes that may call it). A bound method is held weakly: its owner (the
+    file tier's rows) holds the callback, and a reference cycle would leave it to a garbage collection, which may run
+    on the driver's thread, freeing pinned memory there. A failure stops the process, naming `what`: nothing can be
+    raised into the stream, and the kernels after it would read stale rows."""
     target = weakref.WeakMethod(fn) if isinstance(fn, types.MethodType) else (lambda: fn)
 
     def run() -> None:
@@ -89,9 +89,7 @@ def guarded(fn: Callable[[], None], what: str) -> CALLBACK:
         finally:
             sys.setswitchinterval(interval)
 
-    callback = CALLBACK(run)
-    _CALLBACKS.append(callback)
-    return callback
+    return CALLBACK(run)
 
 
 @dataclass

@@ -2,26 +2,25 @@
 accelerator memory and reads host memory only on a miss (n-gram ids of natural text repeat: a cache of a
 few percent of the rows serves about half the lookups, see docs/PERFORMANCE.md).
 
-Filled once from a calibration id stream (`fill`), or kept up to date from served traffic (`observe`): every
-lookup adds its owned rows to counts kept on the accelerator (capturable), and every `refresh_every` eager
-lookups the most counted rows replace the cached ones. Refreshes run only outside CUDA-graph capture, on the
-lookup's stream, and only newcomers cross from host memory, at most `refresh_rows` of them (the most counted
-first: a refresh stalls the lookup that makes it, and after long prefills every row they read is counted);
-a cached row leaves only for a newcomer. Counts are then halved, so the cache follows the traffic. Every
-buffer is allocated once, so captured graphs keep valid addresses.
+Which rows it holds follows `resident_rows`, filled once from a calibration id stream (`fill`) or kept up to date
+from served traffic (`observe`): every lookup adds its owned rows to counts kept on the accelerator (capturable),
+and every `refresh_every` eager lookups a promotion brings in the most counted rows, at most `refresh_rows`
+newcomers, and the counts halve. Refreshes run only outside CUDA-graph capture, on the lookup's stream, and only
+newcomers cross from host memory. Every buffer is allocated once, so captured graphs keep valid addresses.
 """
 
 from __future__ import annotations
 
 import torch
 
-REFRESH_EVERY = 256  # eager lookups between refreshes: one topk over the counts + the newcomers' copy
+from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, calibration_counts
+
 REFRESH_ROWS = 65536  # newcomers one refresh from traffic copies at most (10.6 MB of release rows)
 
 
 class HotRows:
     """Cache slots for `weight`, a table's rows from `start` on (+ `scale`, [rows, 1], INT8 tables), on `device`.
-    `weight` and `scale` are host tensors, or views of rows in the checkpoint's files (`ple.file_rows.MappedRows`)."""
+    `weight` and `scale` are host tensors, or views of rows in the checkpoint's files (`file_map.MappedRows`)."""
 
     def __init__(self, weight, scale, start: int, slots: int, device, observe: bool) -> None:
         if slots < 1:
@@ -35,7 +34,7 @@ class HotRows:
         self.counts = torch.zeros(self.n + 1, dtype=torch.int32, device=device) if observe else None
         self.refresh_every, self.refresh_rows = REFRESH_EVERY, REFRESH_ROWS
         self._eager_lookups = 0
-        self.refreshes, self.share = 0, 0.0  # refreshes so far; share of the counts the last one serves
+        self.resident = ResidentRows(self.map, self.slot_row)
 
     @staticmethod
     def bytes_needed(rows: int, slots: int, row_bytes: int, observe: bool) -> int:
@@ -51,6 +50,15 @@ class HotRows:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(row -> slot map, cached rows, their scales): what the lookup kernel reads."""
         return self.map, self.rows, self.row_scales
+
+    @property
+    def refreshes(self) -> int:
+        return self.resident.refreshes
+
+    @property
+    def share(self) -> float:
+        """The share of the counts the rows cached by the last refresh serve."""
+        return self.resident.share
 
     @property
     def filled(self) -> int:
@@ -91,35 +99,21 @@ class HotRows:
     def fill(self, ids: torch.Tensor) -> float:
         """Cache the most frequent owned rows of a calibration id stream; returns the share of its owned
         lookups they serve."""
-        local = ids.reshape(-1).long().cpu() - self.start
-        return self.refresh(torch.bincount(local[(local >= 0) & (local < self.n)], minlength=self.n))
+        rows, counts = calibration_counts(ids, self.start, self.n)
+        return self._promote(counts, rows)
+
+    def refresh(self, counts: torch.Tensor, limit: int | None = None) -> float:
+        """Bring the most counted rows (`counts` per owned row) into the cache, at most `limit` newcomers
+        (`resident_rows`). Returns the share of the counts the cache then serves."""
+        return self._promote(counts, None, limit)
 
     @torch.no_grad()
-    def refresh(self, counts: torch.Tensor, limit: int | None = None) -> float:
-        """Bring the most counted rows into the cache, at most `limit` newcomers (the most counted first). A
-        newcomer takes an empty slot, else the slot of the least counted cached row outside the top; cached
-        rows in the top keep their slots. Returns the share of the counts the cache then serves."""
+    def _promote(self, counts: torch.Tensor, rows: torch.Tensor | None, limit: int | None = None) -> float:
         dev = self.map.device
-        counts = counts.to(dev)
-        top = counts.topk(min(self.rows.shape[0], int((counts > 0).sum()))).indices  # sorted: most counted first
-        newcomers = top[self.map[top] < 0][:limit]
-        hot = torch.zeros(self.n, dtype=torch.bool, device=dev)
-        hot[top] = True
-        cached = self.slot_row >= 0
-        stale = (cached & ~hot[self.slot_row.clamp_min(0)]).nonzero().flatten()
-        stale = stale[counts[self.slot_row[stale]].argsort(stable=True)]
-        free = torch.cat(((~cached).nonzero().flatten(), stale))[: newcomers.numel()]
-        evicted = self.slot_row[free]
-        self.map[evicted[evicted >= 0]] = -1
-        host = newcomers.to(self.weight.device)
-        self.rows[free] = self.weight[host].to(dev)
+        newcomers, free = self.resident.promote(counts.to(dev), None if rows is None else rows.to(dev), limit)
+        self.rows[free] = self.weight[newcomers.to(self.weight.device)].to(dev)
         if self.scale is not None:
             self.row_scales[free] = self.scale[newcomers.to(self.scale.device)].to(dev)
-        self.map[newcomers] = free.to(torch.int32)
-        self.slot_row[free] = newcomers
-        self.refreshes += 1
-        held = self.slot_row[self.slot_row >= 0]
-        self.share = float(counts[held].sum() / counts.sum().clamp_min(1))
         return self.share
 
 

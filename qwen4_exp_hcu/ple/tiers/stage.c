@@ -1,8 +1,8 @@
-/* The file tier's host work for one lookup (qwen4_exp_hcu/ple/tiers/file_rows.py), in C: on an accelerator it runs on
+/* The file tier's host work for one lookup (qwen4_exp_hcu/ple/tiers/staging.py), in C: on an accelerator it runs on
    the driver's host thread as a host node, while the engine's thread runs Python, so a host function that needs
    the GIL waits for it (milliseconds a call while serving, against 0.2-0.9 ms of work: docs/PERFORMANCE.md,
    "PLE rows from files"). This one takes the GIL only for a promotion, every `refresh_every` lookups, through
-   the `promote` callback. The layout of `Stager` is mirrored by `ple.stager`. */
+   the `promote` callback. The layout of `Stager` is mirrored by `tiers/stager.py`. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +75,7 @@ void qwen4_ple_stage(Stager *s, int64_t n, int64_t flagged) {
     int64_t size = 16, bits = 4;
     while (size < 2 * n)
         size <<= 1, bits++;
-    if (size > s->table_size) { /* `FileRows._reserve` sizes it for every lookup: a caller that skipped it */
+    if (size > s->table_size) { /* `StagingArea.reserve` sizes it for every lookup: a caller that skipped it */
         fprintf(stderr, "qwen4_ple_stage: a lookup of %lld ids, the table of distinct misses holds %lld\n", (long long)n,
                 (long long)s->table_size);
         abort();
