@@ -8,8 +8,8 @@ silu at decode sizes, `kernels.down_silu`).
   RMSNorm of every group (the norm optional too: the injection alone ends a decoder layer);
 * `scaled_silu`: `silu(x / scale)` (the low-rank activation);
 * `gate_mix`: `mean_s(sigmoid(up[s]) * normed[s])`, and `2 * sigmoid(logits / hc)` (the injection weights). The up
-  GEMM before it stays the GEMM library's: with `gate_mix` as its epilogue it is slower at every decode size
-  (docs/PERFORMANCE.md).
+  GEMM before it stays the GEMM library's: its tiles are the larger part of the work, and a Triton GEMM that carried
+  `gate_mix` as its epilogue would give them up for one saved launch.
 
 Each rounds to the activation dtype where the torch references (`*_reference`, the library's CPU path and
 Inductor's input) do, so they differ only where the norm's fp32 sum order or an fp32 sigmoid, division or rsqrt

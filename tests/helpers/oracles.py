@@ -33,10 +33,10 @@ def triton_lookups():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     on = lambda t: None if t is None else t.to(dev)  # noqa: E731
 
-    def kernel(ids, weight, scale, start, global_scale=None):
+    def kernel(ids, weight, scale, start, global_scale=None, **layout):
         d = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
         out = torch.full((ids.shape[0], ids.shape[1] * d), float("nan"), dtype=torch.bfloat16, device=dev)
-        return gather_dequant(on(ids), on(weight), on(scale), start, out, global_scale=on(global_scale)).cpu()
+        return gather_dequant(on(ids), on(weight), on(scale), start, out, global_scale=on(global_scale), **layout).cpu()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(table_module, "gather_dequant_reference", kernel)

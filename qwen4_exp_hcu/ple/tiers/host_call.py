@@ -4,8 +4,8 @@ The driver runs the function on its own thread once the stream's earlier work is
 stream's later work until it returns. A CUDA graph captures the launch as a host node, so host work (the file
 tier's reads from the checkpoint's files) runs inside full decode graphs, and never blocks the Python thread
 that queues the step. The function must not call the GPU runtime (no CUDA/HIP calls, no CUDA tensors). It is C
-(`ple/tiers/stage.c`): Python there waits for the GIL while the engine's thread runs Python, which takes the file tier's
-host nodes from 0.2-0.9 ms of work to 9 ms while serving (docs/PERFORMANCE.md). Python runs there only when the C
+(`ple/tiers/stage.c`): Python there waits for the GIL while the engine's thread runs Python, so a host node's
+sub-millisecond work would wait for milliseconds while serving. Python runs there only when the C
 function calls back (`guarded`), rarely: a garbage collection it starts runs finalizers on the driver's thread, where
 a CUDA object's (an event's destroy) would break that rule.
 """
