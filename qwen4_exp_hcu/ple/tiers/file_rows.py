@@ -23,7 +23,7 @@ import torch
 
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles, MappedRows, MappedShards
 from qwen4_exp_hcu.ple.tiers.host_call import guarded
-from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, calibration_counts
+from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, ResidentTier, calibration_counts
 from qwen4_exp_hcu.ple.tiers.staging import StagingArea, miss_table_entries
 
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
@@ -51,7 +51,7 @@ def excluded_settings(storage) -> list[str]:
     return [why for name, why in EXCLUDES.items() if getattr(storage, name) not in (None, False)]
 
 
-class FileRows:
+class FileRows(ResidentTier):
     """Owned rows `[start, start + n)` of a table of `row_bytes` per row. The table's per-row buffers
     (`resize(rows, keep)` allocates them, keeping the first `keep` rows) hold the resident rows the budget
     allows (`slots`), then the staging area (`staging`)."""
@@ -77,15 +77,6 @@ class FileRows:
             state.counts, state.fresh, state.fresh_cap = self.counts.ctypes.data, self._fresh.ctypes.data, self._fresh.size
             state.refresh_every = tier.refresh_every
             state.promote = guarded(self._promote_from_traffic, "PLE rows from files: promoting the most read rows")
-
-    @property
-    def refreshes(self) -> int:
-        return self.resident.refreshes
-
-    @property
-    def share(self) -> float:
-        """The share of the counts the rows resident after the last promotion serve."""
-        return self.resident.share
 
     def add_shard(self, j: int, parts: dict[str, str]) -> None:
         """Map checkpoint shard `j`'s per-row tensors (`part -> tensor name`); shapes must fit the table."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, calibration_counts
+from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, ResidentTier, calibration_counts
 
 REFRESH_ROWS = 65536  # newcomers one refresh from traffic copies at most (10.6 MB of release rows)
 
 
-class HotRows:
+class HotRows(ResidentTier):
     """Cache slots for `weight`, a table's rows from `start` on (+ `scale`, [rows, 1], INT8 tables), on `device`.
     `weight` and `scale` are host tensors, or views of rows in the checkpoint's files (`file_map.MappedRows`)."""
 
@@ -50,15 +50,6 @@ class HotRows:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(row -> slot map, cached rows, their scales): what the lookup kernel reads."""
         return self.map, self.rows, self.row_scales
-
-    @property
-    def refreshes(self) -> int:
-        return self.resident.refreshes
-
-    @property
-    def share(self) -> float:
-        """The share of the counts the rows cached by the last refresh serve."""
-        return self.resident.share
 
     @property
     def filled(self) -> int:

@@ -73,3 +73,18 @@ class ResidentRows:
             pos = end % slots if m else (int(take[-1]) + 1) % slots
         self.clock = pos
         return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=kept.device)
+
+
+class ResidentTier:
+    """A tier whose residency is a `ResidentRows` (`self.resident`): its promotion count and what it serves."""
+
+    resident: ResidentRows
+
+    @property
+    def refreshes(self) -> int:
+        return self.resident.refreshes
+
+    @property
+    def share(self) -> float:
+        """The share of the counts the rows made resident by the last promotion serve."""
+        return self.resident.share
