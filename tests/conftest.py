@@ -26,7 +26,7 @@ else:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
-pytest_plugins = ("helpers.run_record",)  # --results-dir
+pytest_plugins = ("helpers.run_record", "helpers.records")  # --results-dir; --test-records, --resume, --budget-s
 
 
 SHM = Path("/dev/shm")

@@ -100,7 +100,7 @@ def runs(checkpoint, tmp_path_factory, request):
     pool = ThreadPoolExecutor(PARALLEL_ENGINES)
     futures = {key: pool.submit(run, key) for key in selected_runs(request.session.items)}
     yield futures
-    pool.shutdown(wait=True)
+    pool.shutdown(wait=True, cancel_futures=True)  # a run stopped early (`--budget-s`) starts no more engines
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,21 @@ def references(oracle) -> dict:
     return {"prompts": reference_greedy(oracle, PROMPTS, MAX_NEW_TOKENS), "prefix": prefix}
 
 
+@pytest.fixture
+def record(modes_file, record_property):
+    """One engine's row: into `vllm_gpu_modes.json`, and as the test's own figures (`--test-records`)."""
+
+    def add(row: dict):
+        modes_file(row)
+        for name in ("cudagraph_mode", "mean", "max", "prefix_mean", "prefix_max", "repeat_max", "within_tolerance",
+                     "startup_s"):
+            record_property(name, row[name])
+
+    return add
+
+
 @pytest.fixture(scope="module")
-def record(results_dir):
+def modes_file(results_dir):
     """Collects one row per engine; written as `vllm_gpu_modes.json` when `--results-dir` is given, replacing
     the rows of the engines that ran and keeping the others (a `-k` run updates its rows only)."""
     rows = []

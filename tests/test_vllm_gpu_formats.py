@@ -57,12 +57,15 @@ def served(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_upstream_table_layouts_in_breakable_graphs(variant, served):
+def test_upstream_table_layouts_in_breakable_graphs(variant, served, record_property):
     future, reference = served[variant]
     result = future.result()
     assert "error" not in result, result.get("error")
     report = compare(result, reference)
     worst = {k: max(r[k] for r in report.values()) for k in ("mean", "max")}
+    record_property("graph_mode", "breakable")
+    for name, value in worst.items():
+        record_property(name, round(value, 4))
     print(f"GPU-FORMAT {variant:<15} graphs={result['cudagraph_mode']} breakable={result['breakable']} "
           f"logprob err mean {worst['mean']:.4f} max {worst['max']:.4f} tables={[t['describe'] for t in result['tables']]}")  # fmt: skip
     assert result["breakable"] and result["cudagraph_mode"] == "FULL_AND_PIECEWISE"

@@ -85,13 +85,15 @@ def errors_per_prompt(served, reference) -> list[tuple[int, float, float, bool]]
     return rows
 
 
-def test_qsa_beyond_the_budget_matches_transformers(served, reference):
+def test_qsa_beyond_the_budget_matches_transformers(served, reference, record_property):
     assert {s["attention"] for s in served} == {"Qwen4ExpQSAAttention"}
     for n, mean, worst, tokens_equal in errors_per_prompt(served, reference):
+        record_property(f"mean / max at {n} tokens", f"{mean:.4f} / {worst:.4f}")
         assert tokens_equal and mean < LONG.mean and worst < LONG.max, (n, mean, worst)
 
 
-def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served, reference, monkeypatch):
+def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served, reference, monkeypatch,
+                                                     record_property):
     """The fault QSA guards against: dense attention over every token of the long prompts."""
     from qwen4_exp_hcu.model import model
 
@@ -101,6 +103,7 @@ def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served
     rows = errors_per_prompt(dense, reference)
     correct = {n: mean for n, mean, *_ in errors_per_prompt(served, reference)}
     for n, mean, worst, _ in rows:
+        record_property(f"mean / max at {n} tokens", f"{mean:.4f} / {worst:.4f}")
         if n > BUDGET:
             assert mean >= LONG.mean or worst >= LONG.max, (n, mean, worst)
             assert mean >= LONG_FAULT_RATIO * correct[n], (n, mean, correct[n])

@@ -1,7 +1,8 @@
 """The `--results-dir DIR` option (a pytest plugin, loaded by `conftest.py`). With it, each pytest run writes one
 JSON: every test's outcome and duration, the command, the commit, the vLLM release and the machine
 (`DIR/suite_vllm-<release>_<time>.json`). Per-test figures stay in the files
-the tests write themselves (e.g. `vllm_gpu_modes.json`).
+the tests write themselves (e.g. `vllm_gpu_modes.json`); `--test-records` (`helpers.records`) writes one file per
+test instead.
 
 The GPU machine receives a copy of the working tree without git: there the commit comes from
 `QWEN4_EXP_HCU_COMMIT` (the caller's `git rev-parse HEAD`)."""
@@ -26,6 +27,26 @@ def commit() -> str:
     return run.stdout.strip() or "unknown"
 
 
+def release() -> str:
+    """The installed vLLM's version, or "none"."""
+    try:
+        import vllm
+    except ImportError:
+        return "none"
+    return vllm.__version__
+
+
+def add_report(entry: dict, report) -> None:
+    """Adds one phase's report (setup, call, teardown) to a test's `entry`: its seconds, and the outcome and
+    message of the first phase that did not pass."""
+    entry["seconds"] = round(entry.get("seconds", 0.0) + report.duration, 2)
+    entry.setdefault("outcome", "passed")
+    if report.outcome != "passed" and entry["outcome"] == "passed":
+        entry["outcome"] = "error" if report.failed and report.when != "call" else report.outcome
+        reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else report.longreprtext
+        entry["message"] = reason[-1500:]
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--results-dir", default=None, metavar="DIR",
@@ -46,31 +67,21 @@ class RunRecord:
         self.results_dir, self.started, self.tests = results_dir, time.time(), {}
 
     def pytest_runtest_logreport(self, report):
-        entry = self.tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
-        entry["seconds"] = round(entry["seconds"] + report.duration, 2)
-        if report.outcome != "passed" and entry["outcome"] == "passed":  # the first phase that did not pass
-            entry["outcome"] = "error" if report.failed and report.when != "call" else report.outcome
-            reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else report.longreprtext
-            entry["message"] = reason[-1500:]
+        add_report(self.tests.setdefault(report.nodeid, {"outcome": "passed"}), report)
 
     def pytest_sessionfinish(self, session, exitstatus):
         if not self.tests:
             return
         import torch
 
-        try:
-            import vllm
-
-            release = vllm.__version__
-        except ImportError:
-            release = "none"
         machine = {"host": platform.node(), "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
         counts = dict(Counter(t["outcome"] for t in self.tests.values()))
-        doc = {"command": "python3 -m pytest " + shlex.join(sys.argv[1:]), "commit": commit(), "vllm": release,
+        vllm = release()
+        doc = {"command": "python3 -m pytest " + shlex.join(sys.argv[1:]), "commit": commit(), "vllm": vllm,
                "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
                "seconds": round(time.time() - self.started, 1), "exit_status": int(exitstatus), "counts": counts,
                "tests": self.tests}  # fmt: skip
-        out = self.results_dir / f"suite_vllm-{release}_{time.strftime('%Y%m%dT%H%M%S', time.gmtime(self.started))}.json"
+        out = self.results_dir / f"suite_vllm-{vllm}_{time.strftime('%Y%m%dT%H%M%S', time.gmtime(self.started))}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,0 +1,92 @@
+"""The whole GPU suite on the shipped code, over as many device calls as the machine's time limit needs.
+
+Each call runs, in pytest's order, the GPU tests (markers `gpu` or `vllm`, `multi_gpu` only with --multi-gpu, never
+`cpu_only`) that have no finished record in benchmarks/results/gpu_suite/<commit>_<vLLM release>/tests/ yet, and
+starts none once --budget-s has passed, so the call ends inside the limit. Every test leaves one JSON there as it
+ends (outcome, seconds, message, figures, commit, vLLM release, device, graph mode: `helpers.records`); a test the
+limit cuts short anyway runs first in the next call. The run's other result files (`vllm_gpu_modes.json`, the run
+record `suite_vllm-*.json`) go into the folder beside `tests/`. Arguments after `--` go to pytest.
+
+    QWEN4_EXP_HCU_COMMIT=<commit> python3 tools/gpu_suite.py --budget-s 420    # on the GPU machine, again and again
+    python3 tools/gpu_suite.py --list --commit <commit> --vllm 0.33.0          # what is left (collects, runs nothing)
+    python3 tools/gpu_suite.py --table --commit <commit> --vllm 0.33.0         # the records as a markdown table
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers.records import read_records  # noqa: E402
+from helpers.run_record import commit, release  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite"
+MARKERS = "(gpu or vllm) and not cpu_only"
+COLUMNS = ("test", "outcome", "graph mode", "figures", "device", "commit", "vLLM")
+
+
+def folder(results: Path, commit: str, release: str) -> Path:
+    return results / f"{commit[:7]}_{release}"
+
+
+def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bool, extra: list[str]) -> list[str]:
+    markers = MARKERS if multi_gpu else f"({MARKERS}) and not multi_gpu"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", markers,
+           "--test-records", str(folder / "tests"), "--resume"]  # fmt: skip
+    if list_only:
+        return cmd + ["--collect-only", "-q", *extra]
+    return cmd + ["-q", "-rfE", "--budget-s", f"{budget_s:g}", "--results-dir", str(folder), *extra]
+
+
+def cell(value) -> str:
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def outcome(record: dict) -> str:
+    return record["outcome"] + (f": {record['reason']}" if record.get("reason") else "")
+
+
+def table(folder: Path) -> str:
+    """The markdown table of a folder's records, one row per test, by node id."""
+    rows = [COLUMNS, ["---"] * len(COLUMNS)]
+    for nodeid, r in sorted(read_records(folder / "tests").items()):
+        figures = "; ".join(f"{name} {value}" for name, value in r["figures"].items())
+        rows.append([f"`{nodeid.removeprefix('tests/')}`", outcome(r), r["graph_mode"] or "—", figures or "—",
+                     r["device"], r["commit"][:7], r["vllm"]])  # fmt: skip
+    return "\n".join("| " + " | ".join(cell(v) for v in row) + " |" for row in rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # pytest has --co, --lf
+    ap.add_argument("--budget-s", type=float, default=420, help="start no test after this many seconds (default 420)")
+    ap.add_argument("--multi-gpu", action="store_true", help="the multi_gpu tests too")
+    ap.add_argument("--list", action="store_true", help="say what is recorded and list what is left; run nothing")
+    ap.add_argument("--table", action="store_true", help="print the records as a markdown table; run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--commit", default=None, help="default: QWEN4_EXP_HCU_COMMIT, else git's HEAD")
+    ap.add_argument("--vllm", default=None, help="with --list or --table: the release whose records to read "
+                    "(default: the installed one)")
+    args, extra = ap.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    if args.vllm and not (args.list or args.table):
+        ap.error("--vllm names the records to read: a run records the installed release")
+    sha = args.commit or commit()
+    if sha == "unknown":
+        ap.error("no commit: this tree has no git; set QWEN4_EXP_HCU_COMMIT to the caller's `git rev-parse HEAD`")
+    out = folder(args.results, sha, args.vllm or release())
+    if args.table:
+        print(table(out), end="")
+        return 0
+    cmd = pytest_command(out, args.budget_s, args.multi_gpu, args.list, extra)
+    print(f"{out}: {' '.join(cmd[1:])}", flush=True)
+    run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "QWEN4_EXP_HCU_COMMIT": sha})
+    if args.list:
+        return 0
+    return run.returncode if run.returncode >= 0 else 128 - run.returncode  # killed by a signal: as a shell says it
+
+
+if __name__ == "__main__":
+    sys.exit(main())
