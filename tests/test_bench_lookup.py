@@ -1,6 +1,6 @@
 """`benchmarks/bench_lookup.py`'s host facts and options: where the table's pages went (NUMA), and 2 MiB pages for the
-one host copy the release's 52 GB TP1 table leaves room for (at TP1 the fused lookup read 5.66 GB/s against
-13 GB's 11.6, session 27; session 28 ruled both out: 5.68 on 2 MiB pages, one NUMA node)."""
+one host copy the release's 52 GB TP1 table leaves room for: the two suspects when the 52 GB table reads slower
+than a 13 GB one (docs/PERFORMANCE.md, the lookups' table)."""
 
 import sys
 from pathlib import Path

@@ -67,7 +67,7 @@ def test_chunked_prefill_and_packing_equal_one_shot():
 
 
 def test_padding_never_touches_a_real_request_in_slot_0():
-    """Defect #5 of the earlier implementation: padding rows mapped to slot 0 overwrote its state."""
+    """Padding rows mapped to slot 0 would overwrite the state of the real request there."""
     cfg = tiny_text_config(ngram_size=3)
     _, ours = make_pair(cfg)
     C = cfg.hidden_size * cfg.hc_count

@@ -9,8 +9,8 @@ different lengths, 32 decode steps, a prefix-cache hit) in its own process (`vll
 share the GPU at once. One more engine runs with the PLE state carry broken on purpose and must fail the
 same comparison, which shows the tolerance is sensitive to PLE state faults; further engines read every PLE
 row 2 % too large (the subtle fault the tolerances are calibrated on) and must fail their mode's bounds, and
-the torch.compile modes run once more with Inductor's `emulate_precision_casts`, where they give eager's figures
-(2026-12-01): their larger errors are the rounding of Inductor's fused kernels.
+the torch.compile modes run once more with Inductor's `emulate_precision_casts`, where they give eager's figures:
+their larger errors are the rounding of Inductor's fused kernels.
 
 Runs unchanged on a machine with vLLM 0.33 installed, or through `../shared/gpu-vllm`:
 `source .gpu-vllm/setup.sh && python3 -m pytest -s -m "gpu and vllm" tests/test_vllm_gpu.py`
