@@ -1,7 +1,8 @@
 """PLE lookups with rows read from the checkpoint's files (`ple.file_rows`) against the whole table in host memory.
 
     python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
-                                         [--shares 1 0.5 0.2 0.05] [--read-around] [--probe-reads 8192]
+                                         [--shares 1 0.5 0.2 0.05] [--streams text zipf1.1 uniform] [--read-around]
+                                         [--probe-reads 8192]
                                          [--hot-rows-share 0.01] [--dir /tmp/file-tier] [--out benchmarks/results]
 
 Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row; 13: one
@@ -113,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calib-tokens", type=int, default=131072, help="tokens of the stream the resident rows are chosen from")
     ap.add_argument("--calib-max-tokens", type=int, default=1 << 24, help="tokens the calibration grows to at most")
     ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="shares of the table resident")
+    ap.add_argument("--streams", nargs="+", choices=["text", "zipf1.1", "uniform"], help="token streams (default: all)")
     ap.add_argument("--read-around", action="store_true", help="also the cold_readahead phase")
     ap.add_argument("--probe-reads", type=int, default=8192, help="4 KiB reads of the drive probe (0: none)")
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
@@ -272,6 +274,7 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
     return {
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
                    f"--steps {args.steps} --calib-tokens {args.calib_tokens} --shares {' '.join(f'{s:g}' for s in args.shares)}"
+                   + (f" --streams {' '.join(args.streams)}" if args.streams else "")
                    + (" --read-around" if args.read_around else "") + f" --probe-reads {args.probe_reads}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else ""),
         "commit": commit(),
@@ -289,7 +292,8 @@ def main() -> None:
     for name, d in drive.items():
         print(f"drive, 4 KiB random reads {name}: {d['iops']:.0f} IOPS, {d['mb_per_s']:.1f} MB/s (O_DIRECT {d['o_direct']})")
     streams = token_streams(run.args.tokens * run.args.steps + run.args.calib_tokens, torch.Generator().manual_seed(0))
-    results = [r for stream, tokens in streams.items() for r in measure_stream(run, stream, tokens)]
+    results = [r for stream, tokens in streams.items() if stream in (run.args.streams or streams)
+               for r in measure_stream(run, stream, tokens)]  # fmt: skip
     stem = f"file_tier_{run.device}" + ("_hot" if run.args.hot_rows_share else "")
     save(run.args.out, stem, report(run, results, drive), plot)
 
