@@ -118,6 +118,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--read-around", action="store_true", help="also the cold_readahead phase")
     ap.add_argument("--probe-reads", type=int, default=8192, help="4 KiB reads of the drive probe (0: none)")
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
+    ap.add_argument("--label", help="what the JSON says the machine and its drive are")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
     return ap.parse_args()
@@ -276,10 +277,12 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
                    f"--steps {args.steps} --calib-tokens {args.calib_tokens} --shares {' '.join(f'{s:g}' for s in args.shares)}"
                    + (f" --streams {' '.join(args.streams)}" if args.streams else "")
                    + (" --read-around" if args.read_around else "") + f" --probe-reads {args.probe_reads}"
-                   + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else ""),
+                   + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
+                   + (f" --label '{args.label}'" if args.label else ""),
         "commit": commit(),
         "machine": {"device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "files": str(run.directory)},
+                    "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    "files": str(run.directory), **({"label": args.label} if args.label else {})},
         "table": {"rows": run.spec.rows, "heads": HEADS, "dim": DIM, "bytes": run.whole.nbytes, "shards": SHARDS},
         "tokens_per_step": args.tokens, "steps": args.steps, "phases": {p: dict(zip(("drop_before_each_lookup", "read_around"), PHASES[p])) for p in run.phases},
         "calibration": run.calibrations, "drive": drive, "results": results,
