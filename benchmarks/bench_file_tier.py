@@ -52,7 +52,8 @@ import torch
 
 from benchmarks.common import (DIM, HEADS, REAL_VOCAB, SHARDS, bench_config, commit, drop_page_cache, load_table, save,
                                token_streams, write_table)  # fmt: skip
-from benchmarks.page_cache import IOCount, cache_report, drop_mapped, pages_needed, random_read_rate, read_around
+from benchmarks.page_cache import (IOCount, cache_report, drop_mapped, mapped_read_rate, pages_needed, random_read_rate,
+                                   read_around)  # fmt: skip
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileTier, resident_slots
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
@@ -263,11 +264,15 @@ def measure_stream(run: Setup, stream: str, tokens: torch.Tensor) -> list[dict]:
 
 
 def drive_limit(run: Setup) -> dict:
-    """The drive's 4 KiB random-read rate over the shard files, written pages flushed first (`PROBE_DEPTHS`)."""
+    """The drive's 4 KiB random-read rate over the shard files, written pages flushed first (`PROBE_DEPTHS`), and the
+    same pages read through maps: a fault at a time, as the file tier reads a cold miss, or all asked for first."""
     files = sorted(run.directory.glob("*.safetensors"))
+    if not run.args.probe_reads:
+        return {}
     for f in files:
         drop_page_cache(f)
-    return {f"qd{d}": random_read_rate(files, run.args.probe_reads, d) for d in PROBE_DEPTHS} if run.args.probe_reads else {}
+    drive = {f"qd{d}": random_read_rate(files, run.args.probe_reads, d) for d in PROBE_DEPTHS}
+    return {**drive, **{f"mapped{'_willneed' if p else ''}": mapped_read_rate(files, run.args.probe_reads, p) for p in (False, True)}}
 
 
 def report(run: Setup, results: list[dict], drive: dict) -> dict:
@@ -293,7 +298,8 @@ def main() -> None:
     run = setup(parse_args())
     drive = drive_limit(run)
     for name, d in drive.items():
-        print(f"drive, 4 KiB random reads {name}: {d['iops']:.0f} IOPS, {d['mb_per_s']:.1f} MB/s (O_DIRECT {d['o_direct']})")
+        rate = f"{d['iops']:.0f} IOPS, {d['mb_per_s']:.1f} MB/s (O_DIRECT {d['o_direct']})" if "iops" in d else f"{d['pages_per_s']:.0f} pages/s"
+        print(f"drive, 4 KiB random reads {name}: {rate}")
     streams = token_streams(run.args.tokens * run.args.steps + run.args.calib_tokens, torch.Generator().manual_seed(0))
     results = [r for stream, tokens in streams.items() if stream in (run.args.streams or streams)
                for r in measure_stream(run, stream, tokens)]  # fmt: skip

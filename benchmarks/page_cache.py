@@ -129,3 +129,33 @@ def random_read_rate(paths: Iterable[str | Path], reads: int = 4096, depth: int 
     return {"reads": reads, "depth": depth, "block": block, "o_direct": all(d for _, d in opened),
             "bytes_spanned": int(blocks.sum()) * block, "s": took, "iops": reads / took,
             "mb_per_s": reads * block / took / 1e6}  # fmt: skip
+
+
+def mapped_read_rate(paths: Iterable[str | Path], reads: int = 4096, prefetch: bool = False, seed: int = 0) -> dict:
+    """Random pages of the files read through read-only maps with read-around off, their cache dropped first: each
+    page a major fault in turn (what the file tier's host function does with a cold miss), or, with `prefetch`, every
+    page asked for first (`MADV_WILLNEED`: the kernel queues all their reads at once) and then touched. Pages a
+    second, the bytes read from the drive, and the major faults (none where the page's read was queued first)."""
+    maps = []
+    for p in paths:
+        if size := os.path.getsize(p) // PAGE * PAGE:
+            drop_page_cache(p)
+            with open(p, "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
+            maps[-1].madvise(mmap.MADV_RANDOM)
+    try:
+        sizes = np.array([len(m) // PAGE for m in maps])
+        rng = np.random.default_rng(seed)
+        which = rng.choice(len(maps), reads, p=sizes / sizes.sum()).tolist()
+        offsets = ((rng.random(reads) * sizes[which]).astype(np.int64) * PAGE).tolist()
+        before, t0 = IOCount.now(), time.perf_counter()
+        if prefetch:
+            for w, o in zip(which, offsets):
+                maps[w].madvise(mmap.MADV_WILLNEED, o, PAGE)
+        sum(maps[w][o] for w, o in zip(which, offsets))
+        took, count = time.perf_counter() - t0, IOCount.now() - before
+    finally:
+        for m in maps:
+            m.close()
+    return {"reads": reads, "prefetch": prefetch, "s": took, "pages_per_s": reads / took,
+            "drive_read_bytes": count.read_bytes, "major_faults": count.major_faults}  # fmt: skip

@@ -46,3 +46,13 @@ def test_the_drive_probe_reports_sane_fields(tmp_path):
         assert (r["reads"], r["depth"], r["block"], r["bytes_spanned"]) == (64, depth, 4096, 4 << 20)
         assert r["iops"] > 0 and r["mb_per_s"] == pytest.approx(r["iops"] * 4096 / 1e6)
         assert isinstance(r["o_direct"], bool) and r["s"] > 0
+
+
+def test_the_mapped_probe_reads_cold_pages_one_fault_each_or_all_asked_for_first(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes())
+    for prefetch in (False, True):
+        r = page_cache.mapped_read_rate([path], reads=32, prefetch=prefetch)
+        assert (r["reads"], r["prefetch"]) == (32, prefetch) and r["pages_per_s"] > 0
+        assert r["drive_read_bytes"] > 0  # the file's pages were dropped: the touches read the drive
+        assert 0 < r["major_faults"] <= 32 if not prefetch else r["major_faults"] <= 32  # queued first: found in the cache
