@@ -42,6 +42,7 @@ import argparse
 import gc
 import os
 import platform
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -283,7 +284,7 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
                    + (f" --streams {' '.join(args.streams)}" if args.streams else "")
                    + (" --read-around" if args.read_around else "") + f" --probe-reads {args.probe_reads}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
-                   + (f" --label '{args.label}'" if args.label else ""),
+                   + (f" --label {shlex.quote(args.label)}" if args.label else ""),
         "commit": commit(),
         "machine": {"device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",
                     "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -310,22 +311,29 @@ def main() -> None:
 def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (speed, cache) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = ((lambda r: r["vs_whole"], "lookup speed vs whole table in host memory"),
+              (lambda r: r["page_cache_hits"], "page-cache hits of the misses' pages"),
+              (lambda r: r["drive_read_bytes"] / r["needed_bytes"] if r["needed_bytes"] else None,
+               "drive bytes read per byte of the misses' pages"))  # fmt: skip
     styles = {"warm": "-o", "cold": "--x", "cold_readahead": ":+"}
     for stream in dict.fromkeys(r["stream"] for r in report["results"]):
         for phase, style in styles.items():
             runs = [r for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
-            if runs:
-                speed.plot([r["share"] * 100 for r in runs], [r["vs_whole"] for r in runs], style, label=f"{stream}, {phase}")
-                cache.plot([r["share"] * 100 for r in runs], [r["page_cache_hits"] for r in runs], style, label=f"{stream}, {phase}")
-    speed.axhline(1.0, color="gray", lw=0.8)
-    for ax in (speed, cache):
+            for ax, (value, _) in zip(axes, panels):
+                pts = [(r["share"] * 100, value(r)) for r in runs if value(r) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{stream}, {phase}")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    for ax, (_, label) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("table resident in host memory (%)")
-    speed.set_ylabel("lookup speed vs whole table in host memory")
-    cache.set_ylabel("page-cache hits of the misses' pages")
-    speed.set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.2f} GB INT8 table, {report['tokens_per_step']} tokens/step")
-    speed.legend(fontsize=7)
+        ax.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[2].set_yscale("symlog", linthresh=1)
+    axes[2].set_ylim(bottom=0)
+    axes[0].set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.2f} GB INT8 table, {report['tokens_per_step']} tokens/step")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
