@@ -1,45 +1,70 @@
 """PLE lookups with rows read from the checkpoint's files (`ple.file_rows`) against the whole table in host memory.
 
     python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
+                                         [--shares 1 0.5 0.2 0.05] [--streams text zipf1.1 uniform] [--read-around]
+                                         [--probe-reads 8192]
                                          [--hot-rows-share 0.01] [--dir /tmp/file-tier] [--out benchmarks/results]
 
-Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row) as
-safetensors shards under `--dir`, then looks up the n-gram row ids of `--tokens` tokens per step (a decode step
-of that batch) for `--steps` steps, on natural text (benchmarks/data/text_tokens.safetensors), Zipf(1.1) and
-uniform token ids, with 100 / 50 / 20 / 5 % of the table resident (chosen from the `--calib-tokens` tokens of the
-same stream that follow the measured ones), against the
-whole table pinned in host memory. Cold: the files' page cache dropped first (`posix_fadvise(DONTNEED)`);
-warm: the same steps again. Reported: ms per lookup, GB/s of useful bytes (row + scale per token and head),
-the ratio to the whole table, the host side's share of the lookup (ids to the host + rows from the files into
-staging, timed alone; "cold" times it after the cold lookups, so warm), the share of ids served by resident rows,
-and the resident rows against the budget's slots (fewer: the calibration, not the budget, chose them). On an
-accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an accelerator): a GPU hot-row cache
-of S of the rows in front of every file-tier table, filled from the calibration ids first; the resident rows then
-come from the calibration ids it does not serve (results carry `hot_rows`, files `file_tier_{device}_hot.*`).
-Writes JSON + PNG into `--out`.
+Writes an INT8 table of `--table-gb` GB (16 heads x 160 values per row + one bf16 scale, the release's row; 13: one
+TP4 rank's share of the release's table) as safetensors shards under `--dir`, then looks up the n-gram row ids of
+`--tokens` tokens per step (a decode step of that batch) for `--steps` steps, on natural text
+(benchmarks/data/text_tokens.safetensors), Zipf(1.1) and uniform token ids, with `--shares` of the table resident,
+against the whole table pinned in host memory.
+
+Resident rows: a calibrated start (`fill_resident_rows`, what `host_table_calibration` does) from the
+`--calib-tokens` tokens of the same stream that follow the measured ones, extended with uniform token ids (a
+document of their own) until the calibration holds a row for every slot of the largest budget below 100 %, so every
+budget binds: each run reports its resident rows against the budget's slots, and the calibration's tokens.
+
+Phases, each over the same steps:
+  cold            before every lookup the files' pages are dropped (unmapped from the process, then
+                  `posix_fadvise(DONTNEED)`: `page_cache`), and the maps' read-around is off, so every miss reads its
+                  own pages from the drive and nothing else comes into the cache
+  cold_readahead  (`--read-around`) the same with the maps as the file tier leaves them: a fault reads the kernel's
+                  window around its page
+  warm            the steps once untimed, then timed: their pages cached and mapped
+Reported per phase: ms per lookup (each lookup waited for; the drops are not timed), GB/s of useful bytes (row +
+scale per token and head), the ratio to the whole table, the host side alone (ids to the host + rows from the files
+into staging, timed in the same phase), the share of ids served by resident rows, and the page cache: the pages the
+lookups' misses touched, the major faults (touches the cache did not hold), the hit rate, and the bytes read from
+the drive (`/proc/self/io`, read-around included). `drive` holds the drive's own 4 KiB random-read rate over the
+shard files (O_DIRECT, one read at a time and 16: `page_cache.random_read_rate`), the limit of reads that miss.
+On an accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an
+accelerator): a GPU hot-row cache of S of the rows in front of every file-tier table, filled from the calibration
+ids first; the resident rows then come from the calibration ids it does not serve (results carry `hot_rows`, files
+`file_tier_{device}_hot.*`). Writes JSON + PNG into `--out`.
 """
 
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
+import shlex
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from benchmarks.common import (DIM, HEADS, SHARDS, bench_config, drop_page_cache, load_table, save, token_streams,
-                               write_table)
+from benchmarks.common import (DIM, HEADS, REAL_VOCAB, SHARDS, bench_config, commit, drop_page_cache, load_table, save,
+                               token_streams, write_table)  # fmt: skip
+from benchmarks.page_cache import (IOCount, cache_report, drop_mapped, mapped_read_rate, pages_needed, random_read_rate,
+                                   read_around)  # fmt: skip
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
-from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
+from qwen4_exp_hcu.ple.tiers.file_rows import FileTier, resident_slots
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
 
 SHARES = (1.0, 0.5, 0.2, 0.05)
+# phase -> (the files' pages dropped before every lookup, the maps' read-around on)
+PHASES = {"cold": (True, False), "cold_readahead": (True, True), "warm": (False, True)}
+PROBE_DEPTHS = (1, 16)  # reads in flight: one (a fault's) and enough to show the drive's parallel rate
 
 
 def waiter(ids: torch.Tensor):
@@ -47,27 +72,40 @@ def waiter(ids: torch.Tensor):
     return torch.cuda.synchronize if ids.is_cuda else (lambda: None)
 
 
-def timed_lookups(table: PLETable, steps: list[torch.Tensor]) -> float:
-    """Mean seconds per lookup (each lookup waits for its result: a step cannot start before its rows exist)."""
-    sync = waiter(steps[0])
-    sync()
-    t0 = time.perf_counter()
+def each_step(steps: list[torch.Tensor], fn: Callable[[torch.Tensor], object], before=None) -> float:
+    """Mean seconds of `fn(ids)` over the steps, each waited for (a step cannot start before its rows exist);
+    `before()` runs ahead of each, untimed."""
+    sync, took = waiter(steps[0]), 0.0
     for ids in steps:
-        table.lookup(ids)
         sync()
-    return (time.perf_counter() - t0) / len(steps)
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn(ids)
+        sync()
+        took += time.perf_counter() - t0
+    return took / len(steps)
 
 
-def timed_staging(table: PLETable, steps: list[torch.Tensor]) -> float:
-    """Mean seconds per lookup of the host side alone: ids to the host, rows from the files into staging (on a GPU
-    queued as a host function, `ple.host_call`: timed until it has run)."""
-    sync = waiter(steps[0])
-    t0 = time.perf_counter()
-    for ids in steps:
+def staging(table: PLETable) -> Callable[[torch.Tensor], object]:
+    """The host side of a lookup alone: ids to the host, rows from the files into staging (on a GPU queued as a host
+    function, `ple.host_call`: waited for with the step)."""
+
+    def stage(ids: torch.Tensor):
         cached = None if table.hot is None else (table.hot.slots_of(ids) >= 0).view(ids.shape)  # never staged
-        table.file_rows.stage(ids, cached)
-        sync()
-    return (time.perf_counter() - t0) / len(steps)
+        return table.file_rows.stage(ids, cached)
+
+    return stage
+
+
+def misses(table: PLETable, ids: torch.Tensor) -> np.ndarray:
+    """The owned rows of one lookup that are read from the files: neither resident nor in the GPU hot-row cache."""
+    local = ids.reshape(-1).cpu() - table.start
+    keep = (local >= 0) & (local < table.file_rows.n)
+    if table.hot is not None:
+        keep &= (table.hot.slots_of(ids) < 0).reshape(-1).cpu()
+    local = local[keep].numpy()
+    return np.unique(local[table.file_rows.slot_of[local] < 0])
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,8 +113,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--table-gb", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--calib-tokens", type=int, default=131072, help="tokens the resident rows are chosen from")
+    ap.add_argument("--calib-tokens", type=int, default=131072, help="tokens of the stream the resident rows are chosen from")
+    ap.add_argument("--calib-max-tokens", type=int, default=1 << 24, help="tokens the calibration grows to at most")
+    ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="shares of the table resident")
+    ap.add_argument("--streams", nargs="+", choices=["text", "zipf1.1", "uniform"], help="token streams (default: all)")
+    ap.add_argument("--read-around", action="store_true", help="also the cold_readahead phase")
+    ap.add_argument("--probe-reads", type=int, default=8192, help="4 KiB reads of the drive probe (0: none)")
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
+    ap.add_argument("--label", help="what the JSON says the machine and its drive are")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
     return ap.parse_args()
@@ -92,11 +136,20 @@ class Setup:
     directory: Path
     shard_rows: int
     whole: PLETable | None = None
+    calibrations: dict = field(default_factory=dict)  # stream -> what its calibration held
 
     @property
     def useful(self) -> int:
         """Bytes a lookup reads for its result: a row and its scale per token and head."""
         return self.args.tokens * HEADS * (DIM + 2)
+
+    @property
+    def phases(self) -> list[str]:
+        return [p for p in PHASES if p != "cold_readahead" or self.args.read_around]
+
+    def slots(self, share: float) -> int:
+        """Resident rows `share` of the table's bytes pays for."""
+        return resident_slots(int(share * self.whole.nbytes), self.spec.rows, self.whole.nbytes // self.spec.rows)
 
     def table(self, storage: PLEStorage) -> PLETable:
         return load_table(self.directory, self.spec.rows, self.shard_rows, storage)
@@ -120,10 +173,28 @@ def setup(args: argparse.Namespace) -> Setup:
     return run
 
 
-def file_tier_table(run: Setup, share: float, calibration: torch.Tensor) -> tuple[PLETable, int]:
+def calibration(run: Setup, stream: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Row ids of the stream's calibration `tokens`, extended with uniform token ids (one document of their own)
+    until they hold a row for every slot of the largest budget below the whole table (and of the GPU hot-row cache in
+    front, which takes the most frequent first), or `--calib-max-tokens`; what they hold goes to the report."""
+    need = max([run.slots(s) for s in run.args.shares if s < 1] or [0]) + int(run.args.hot_rows_share * run.spec.rows)
+    ids, filler = run.ids(tokens), 0
+    gen = torch.Generator().manual_seed(1)
+    distinct = torch.unique(ids).numel()
+    while distinct < need and tokens.numel() + filler < run.args.calib_max_tokens:
+        n = min((need - distinct) // HEADS * 2 + 1024, run.args.calib_max_tokens - tokens.numel() - filler)
+        ids = torch.cat([ids, run.ids(torch.randint(0, REAL_VOCAB, (n,), generator=gen))])
+        filler += n
+        distinct = torch.unique(ids).numel()
+    run.calibrations[stream] = {"stream_tokens": tokens.numel(), "uniform_filler_tokens": filler,
+                                "distinct_rows": distinct, "rows_needed": need}  # fmt: skip
+    return ids
+
+
+def file_tier_table(run: Setup, share: float, calibration: torch.Tensor) -> tuple[PLETable, float]:
     """The table with `share` of its bytes resident and the rest read from the files, its resident rows (and, with
-    `--hot-rows-share`, a GPU hot-row cache in front) chosen from `calibration`; and how many calibration ids the
-    resident rows serve."""
+    `--hot-rows-share`, a GPU hot-row cache in front) chosen from `calibration`; and the share of the calibration's
+    ids the resident rows serve."""
     tier = FileTier(CheckpointFiles(run.directory), int(share * run.whole.nbytes), refresh_every=0,
                     staging_rows=run.args.tokens * HEADS)  # fmt: skip
     table = run.table(PLEStorage("int8", device=run.device, host=True, file_tier=tier))
@@ -132,28 +203,46 @@ def file_tier_table(run: Setup, share: float, calibration: torch.Tensor) -> tupl
     return table, table.fill_resident_rows(calibration)
 
 
+def measure_phase(table: PLETable, steps: list[torch.Tensor], phase: str, pages: int) -> dict:
+    """The steps' lookups, and their host side alone, in one phase (`PHASES`); `pages`: the pages their misses touch
+    (every lookup's own, as a cold phase drops them before each)."""
+    cold, around = PHASES[phase]
+    shards = table.file_rows.shards
+    drop = (lambda: drop_mapped(shards)) if cold else None
+    read_around(shards, around)
+    try:
+        if not cold:
+            each_step(steps, table.lookup)  # the steps' pages cached and mapped
+        before = IOCount.now()
+        seconds = each_step(steps, table.lookup, drop)
+        count = IOCount.now() - before
+        return {"s": seconds, "staging_s": each_step(steps, staging(table), drop), **cache_report(count, pages)}
+    finally:
+        read_around(shards, True)
+
+
 def measure_share(run: Setup, stream: str, share: float, steps: list[torch.Tensor], calibration: torch.Tensor,
                   base: float) -> list[dict]:  # fmt: skip
-    """The lookups of `steps` with `share` of the table resident, cold (the files' page cache dropped) then warm,
-    checked against the whole table; `base`: the whole table's seconds per lookup."""
+    """The lookups of `steps` with `share` of the table resident in every phase, checked against the whole table;
+    `base`: the whole table's seconds per lookup."""
     table, served = file_tier_table(run, share, calibration)
+    rows = table.file_rows
     ids = torch.stack(steps).reshape(-1)
-    hits = float((torch.from_numpy(table.file_rows.slot_of)[ids.cpu() - table.start] >= 0).float().mean())
-    resident = int((table.file_rows.slot_row >= 0).sum())  # below the slots: the calibration, not the budget, binds
+    hits = float((torch.from_numpy(rows.slot_of)[ids.cpu() - table.start] >= 0).float().mean())
     gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
     assert all(torch.equal(table.lookup(s), run.whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
-    for f in run.directory.glob("*.safetensors"):
-        drop_page_cache(f)
+    pages = sum(pages_needed(rows.shards, misses(table, s)) for s in steps)
     results = []
-    for phase in ("cold", "warm"):
-        t = timed_lookups(table, steps)
-        staging = timed_staging(table, steps)
-        results.append(dict(stream=stream, share=share, phase=phase, s=t, gbps=run.useful / t / 1e9, vs_whole=base / t,
-                            staging_s=staging, resident_hits=hits, calibration_served=served, resident_rows=resident,
-                            slots=table.file_rows.slots, hot_rows=run.args.hot_rows_share, gpu_hits=gpu_hits))  # fmt: skip
-        print(f"{stream:8} {share:4.0%} resident {phase}  {t * 1e3:8.3f} ms  {run.useful / t / 1e9:6.2f} GB/s  "
-              f"{base / t:5.2f}x whole  host staging {staging * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  "
-              f"resident {resident}/{table.file_rows.slots} rows", flush=True)  # fmt: skip
+    for phase in run.phases:
+        m = measure_phase(table, steps, phase, pages)
+        results.append(dict(stream=stream, share=share, phase=phase, **m, gbps=run.useful / m["s"] / 1e9,
+                            vs_whole=base / m["s"], resident_hits=hits, calibration_served=served,
+                            resident_rows=rows.resident_rows, slots=rows.slots, hot_rows=run.args.hot_rows_share,
+                            gpu_hits=gpu_hits))  # fmt: skip
+        print(f"{stream:8} {share:4.0%} resident {phase:14} {m['s'] * 1e3:8.3f} ms  {base / m['s']:5.2f}x whole  "
+              f"host staging {m['staging_s'] * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  page cache hits "
+              f"{m['page_cache_hits']:.0%} of {m['pages_needed']} pages, drive {m['drive_read_bytes'] / 2**20:.1f} MiB  "
+              f"resident {rows.resident_rows}/{rows.slots} rows", flush=True)  # fmt: skip
     return results
 
 
@@ -162,50 +251,89 @@ def measure_stream(run: Setup, stream: str, tokens: torch.Tensor) -> list[dict]:
     resident rows are chosen from the same stream's tokens that follow the measured ones."""
     n = run.args.tokens * run.args.steps
     steps = list(run.ids(tokens[:n]).reshape(run.args.steps, run.args.tokens, HEADS))
-    calibration = run.ids(tokens[n:])
-    base = timed_lookups(run.whole, steps)
-    print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {run.useful / base / 1e9:6.2f} GB/s", flush=True)
+    calib = calibration(run, stream, tokens[n:])
+    base = each_step(steps, run.whole.lookup)
+    print(f"{stream:8} whole table      {base * 1e3:8.3f} ms  {run.useful / base / 1e9:6.2f} GB/s  calibration "
+          f"{run.calibrations[stream]}", flush=True)  # fmt: skip
     results = [dict(stream=stream, share=None, phase="whole", s=base, gbps=run.useful / base / 1e9)]
-    for share in SHARES:
-        results += measure_share(run, stream, share, steps, calibration, base)
+    for share in run.args.shares:
+        results += measure_share(run, stream, share, steps, calib, base)
+        # a table and its staging area hold each other: freed by the cycle collector, which must run before the next
+        # share's cold phase (maps still touched elsewhere keep their pages cached) and pinned staging (GPU memory)
+        gc.collect()
     return results
 
 
-def report(run: Setup, results: list[dict]) -> dict:
+def drive_limit(run: Setup) -> dict:
+    """The drive's 4 KiB random-read rate over the shard files, written pages flushed first (`PROBE_DEPTHS`), and the
+    same pages read through maps: a fault at a time, as the file tier reads a cold miss, or all asked for first."""
+    files = sorted(run.directory.glob("*.safetensors"))
+    if not run.args.probe_reads:
+        return {}
+    for f in files:
+        drop_page_cache(f)
+    drive = {f"qd{d}": random_read_rate(files, run.args.probe_reads, d) for d in PROBE_DEPTHS}
+    return {**drive, **{f"mapped{'_willneed' if p else ''}": mapped_read_rate(files, run.args.probe_reads, p) for p in (False, True)}}
+
+
+def report(run: Setup, results: list[dict], drive: dict) -> dict:
     args = run.args
     return {
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
-                   f"--steps {args.steps} --calib-tokens {args.calib_tokens}"
-                   + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else ""),
+                   f"--steps {args.steps} --calib-tokens {args.calib_tokens} --shares {' '.join(f'{s:g}' for s in args.shares)}"
+                   + (f" --streams {' '.join(args.streams)}" if args.streams else "")
+                   + (" --read-around" if args.read_around else "") + f" --probe-reads {args.probe_reads}"
+                   + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
+                   + (f" --label {shlex.quote(args.label)}" if args.label else ""),
+        "commit": commit(),
         "machine": {"device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",
-                    "cpus": os.cpu_count(), "torch": torch.__version__},
+                    "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    "files": str(run.directory), **({"label": args.label} if args.label else {})},
         "table": {"rows": run.spec.rows, "heads": HEADS, "dim": DIM, "bytes": run.whole.nbytes, "shards": SHARDS},
-        "tokens_per_step": args.tokens, "steps": args.steps, "results": results,
+        "tokens_per_step": args.tokens, "steps": args.steps, "phases": {p: dict(zip(("drop_before_each_lookup", "read_around"), PHASES[p])) for p in run.phases},
+        "calibration": run.calibrations, "drive": drive, "results": results,
     }  # fmt: skip
 
 
 def main() -> None:
     run = setup(parse_args())
+    drive = drive_limit(run)
+    for name, d in drive.items():
+        rate = f"{d['iops']:.0f} IOPS, {d['mb_per_s']:.1f} MB/s (O_DIRECT {d['o_direct']})" if "iops" in d else f"{d['pages_per_s']:.0f} pages/s"
+        print(f"drive, 4 KiB random reads {name}: {rate}")
     streams = token_streams(run.args.tokens * run.args.steps + run.args.calib_tokens, torch.Generator().manual_seed(0))
-    results = [r for stream, tokens in streams.items() for r in measure_stream(run, stream, tokens)]
-    save(run.args.out, f"file_tier_{run.device}" + ("_hot" if run.args.hot_rows_share else ""), report(run, results), plot)
+    results = [r for stream, tokens in streams.items() if stream in (run.args.streams or streams)
+               for r in measure_stream(run, stream, tokens)]  # fmt: skip
+    stem = f"file_tier_{run.device}" + ("_hot" if run.args.hot_rows_share else "")
+    save(run.args.out, stem, report(run, results, drive), plot)
 
 
 def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = ((lambda r: r["vs_whole"], "lookup speed vs whole table in host memory"),
+              (lambda r: r["page_cache_hits"], "page-cache hits of the misses' pages"),
+              (lambda r: r["drive_read_bytes"] / r["needed_bytes"] if r["needed_bytes"] else None,
+               "drive bytes read per byte of the misses' pages"))  # fmt: skip
+    styles = {"warm": "-o", "cold": "--x", "cold_readahead": ":+"}
     for stream in dict.fromkeys(r["stream"] for r in report["results"]):
-        for phase, style in (("warm", "-o"), ("cold", "--x")):
-            pts = [(r["share"] * 100, r["vs_whole"]) for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
-            if pts:
-                ax.plot(*zip(*pts), style, label=f"{stream}, {phase}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("table resident in host memory (%)")
-    ax.set_ylabel("lookup speed vs whole table in host memory")
-    ax.set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.1f} GB INT8 table, {report['tokens_per_step']} tokens/step")
-    ax.legend()
+        for phase, style in styles.items():
+            runs = [r for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
+            for ax, (value, _) in zip(axes, panels):
+                pts = [(r["share"] * 100, value(r)) for r in runs if value(r) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{stream}, {phase}")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xscale("log")
+        ax.set_xlabel("table resident in host memory (%)")
+        ax.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[2].set_yscale("symlog", linthresh=1)
+    axes[2].set_ylim(bottom=0)
+    axes[0].set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.2f} GB INT8 table, {report['tokens_per_step']} tokens/step")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -26,6 +26,9 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      rows resident (from served traffic), the rest read from the checkpoint's files per lookup
                      (at 100 % every row is resident: the tier's own cost, the host round trip per lookup)
                      (`ple.file_rows`; the reads are host nodes of the decode step's full CUDA graph)
+  host_int8_files{20,5}_calibrated  the same budgets from a calibrated start (`host_table_calibration`): the text of
+                     benchmarks/data, then uniform token ids enough to name a row for every slot
+                     (`calibration_tokens`), so the budget binds from the first step; the resident rows stay put
   host_int8_sync, host_int8_files20_sync  host_int8 and host_int8_files20 with vLLM's async scheduling off: the
                      engine thread waits on the GPU, GIL released, instead of running the next step's Python (tells
                      whether the file tier's host function waits for the GIL)
@@ -46,7 +49,12 @@ kernel time from torch.profiler) and the kernels that take most of it.
 
     python -m benchmarks.bench_serve [--variants host_int8 gpu_int8 ...] [--profile] [--out benchmarks/results]
         [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
-        [--rounds 2]
+        [--cold-reads] [--rounds 2]
+
+`--cold-reads` (the file-tier variants): before every timed run the checkpoint's pages are forgotten (the tier's maps
+unmapped, then `posix_fadvise(DONTNEED)`: `page_cache.drop_mapped`) and the maps' read-around is off, so a run's
+misses read the drive, each page once; each decode batch reports the bytes its timed runs read from the drive and
+their major faults (`decode_reads`; the engine runs in the worker's process).
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
@@ -91,6 +99,8 @@ VARIANTS = {
     "host_int8_hot_rows": ({}, {"additional_config": {"qwen4_exp_hcu": {"hot_rows_gib": 1}}}, "int8"),
     # 100 %: a little over the table's bytes, so float rounding of the GiB setting cannot leave one row in the files
     **{f"host_int8_files{p}": ({}, {"host_table_share": p / 100 if p < 100 else 1.001}, "int8") for p in (100, 50, 20, 5)},
+    **{f"host_int8_files{p}_calibrated": ({}, {"host_table_share": p / 100, "host_table_calibrated": True}, "int8")
+       for p in (20, 5)},
     "host_int8_sync": ({}, {"async_scheduling": False}, "int8"),
     "host_int8_files20_sync": ({}, {"host_table_share": 0.2, "async_scheduling": False}, "int8"),
     "host_int8_piecewise": ({}, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, "int8"),
@@ -279,7 +289,27 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
     }
 
 
-def start_engine(variant: str, checkpoint: str, args: argparse.Namespace):
+def calibration_tokens(slots: int, vocab_size: int, heads: int = 16):
+    """A calibration stream naming a row for each of `slots` resident slots: benchmarks/data's text (its n-grams
+    first: they repeat, so they count most), then uniform token ids, 2 x slots / `heads` of them: each names `heads`
+    rows, nearly all distinct, so over a table of R rows they name R (1 - exp(-2 slots / R)) >= slots rows (slots <=
+    R / 2)."""
+    import torch
+    from safetensors.torch import load_file
+
+    text = load_file(Path(__file__).parent / "data" / "text_tokens.safetensors")["tokens"].long()
+    filler = torch.randint(3, vocab_size, (-(-2 * slots // heads),), generator=torch.Generator().manual_seed(2))
+    return torch.cat([text[text < vocab_size], filler])
+
+
+def save_tokens(tokens, path: Path) -> None:
+    """`tokens` as serving's calibration file: a safetensors file with one 1-D `tokens` tensor."""
+    from safetensors.torch import save_file
+
+    save_file({"tokens": tokens.contiguous()}, str(path))
+
+
+def start_engine(variant: str, checkpoint: str, args: argparse.Namespace, vocab_size: int):
     """The variant's engine on `checkpoint` in the command line's graph mode, with log stats on (the token
     timestamps); returns it, its start-up seconds and the graph settings it resolved."""
     env, engine, _ = VARIANTS[variant]
@@ -294,11 +324,18 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace):
 
     t0 = time.monotonic()
     additional_config = {**base["additional_config"], **engine.get("additional_config", {})}
+    calibrated = engine.pop("host_table_calibrated", False)
     if share := engine.pop("host_table_share", None):  # host_table_gib for that share of the checkpoint's tables
         from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 
-        ple = sum(t.nbytes for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n)
+        tables = {n: t for n, t in CheckpointFiles(checkpoint).tensors.items() if ".ngram_embedding." in n}
+        ple = sum(t.nbytes for t in tables.values())
         additional_config["qwen4_exp_hcu"] = {"host_table_gib": share * ple / 2**30}
+        if calibrated:
+            rows = sum(t.shape[0] for n, t in tables.items() if n.endswith(".weight"))
+            path = Path(checkpoint).parent / f"calibration_{share:g}.safetensors"
+            save_tokens(calibration_tokens(int(share * rows), vocab_size), path)
+            additional_config["qwen4_exp_hcu"]["host_table_calibration"] = str(path)
     llm = LLM(model=checkpoint, **{**base, **engine, "additional_config": additional_config,
                                    "compilation_config": compilation_config}, enforce_eager=eager, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0
@@ -308,19 +345,43 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace):
     return llm, startup, graphs
 
 
-def timed(llm, prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | None, float]:
+def forget_file_pages(model) -> int:
+    """`--cold-reads`: every file-tier table's pages forgotten (`page_cache.drop_mapped`) and its maps' read-around
+    off, so the next run's misses read the drive, each page once; returns how many tables it found."""
+    import torch
+
+    from benchmarks.page_cache import drop_mapped, read_around
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # no host function reads the maps meanwhile
+    tiers = [b.layer.table.file_rows for b in getattr(getattr(model, "model", None), "ple_blocks", [])]
+    tiers = [t for t in tiers if t is not None]
+    for t in tiers:
+        read_around(t.shards, False)
+        drop_mapped(t.shards)
+    return len(tiers)
+
+
+def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: bool = False, reads: list | None = None) -> tuple[float, float | None, float]:
     """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
-    one-token requests) and their median prefill seconds (`prefill_time`)."""
+    one-token requests) and their median prefill seconds (`prefill_time`). `cold`: the file tier's pages forgotten
+    before each run (`forget_file_pages`, untimed); `reads` gets each run's drive reads (`page_cache.IOCount`)."""
     import torch
     from vllm import SamplingParams
+
+    from benchmarks.page_cache import IOCount
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times, steps, prefills = [], [], []
     for _ in range(repeats):
+        if cold:
+            llm.apply_model(forget_file_pages)
         torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, before = time.perf_counter(), IOCount.now()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         times.append(time.perf_counter() - t)
+        if reads is not None:
+            reads.append(IOCount.now() - before)
         prefills.append(prefill_time(outputs))
         if max_tokens > 1:
             steps.append(decode_step(outputs))
@@ -329,18 +390,23 @@ def timed(llm, prompts, max_tokens, repeats=REPEATS) -> tuple[float, float | Non
 
 def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
     """Per decode batch: tokens/s from the token timestamps and by wall clock, and the fixed ms per request the wall
-    clock holds besides; and with `--profile` where a step's time goes (`profile_decode`)."""
-    decode, wall_rate, fixed, profiles = {}, {}, {}, {}
+    clock holds besides; with `--cold-reads` the drive reads of its timed runs; and with `--profile` where a step's
+    time goes (`profile_decode`)."""
+    decode, wall_rate, fixed, profiles, drive = {}, {}, {}, {}, {}
     for b in args.batches:
         prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
         timed(llm, prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-        prefill_only, _, _ = timed(llm, prompts, 1)
-        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS)
+        prefill_only, _, _ = timed(llm, prompts, 1, cold=args.cold_reads)
+        reads = []
+        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=args.cold_reads, reads=reads)
         decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
         fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
+        drive[b] = {"runs": len(reads), "drive_read_bytes": sum(r.read_bytes for r in reads),
+                    "major_faults": sum(r.major_faults for r in reads)}  # fmt: skip
         if args.profile:
             profiles[b] = profile_decode(llm, prompts)
-    return {"decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed}, profiles
+    return {"decode_tokens_per_s": decode, "decode_wall_tokens_per_s": wall_rate, "decode_fixed_ms": fixed,
+            "decode_reads": drive}, profiles  # fmt: skip
 
 
 def measure_prefill(llm, prompt) -> dict:
@@ -356,7 +422,7 @@ def measure_prefill(llm, prompt) -> dict:
 def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vocab_size: int) -> None:
     """One variant's engine: its measurements into `out` (JSON). `args`: the command line's graph mode,
     `--profile`, `--memory-only`, `--prompts`."""
-    llm, startup, graphs = start_engine(variant, checkpoint, args)  # the environment first: vLLM reads it on import
+    llm, startup, graphs = start_engine(variant, checkpoint, args, vocab_size)  # the environment first: vLLM reads it on import
     import torch
 
     if args.memory_only:
@@ -583,7 +649,8 @@ def decode_ratios(results: dict) -> dict:
     """Ours against each reference measured on the same prompts in the same round: keys VARIANT[@SOURCE][@cold][#ROUND]
     -> {"KEY/REF_KEY": {batch: ratio}}."""
     ours = ("host_int8", "host_int8_serial", "host_int8_gemm_down", "host_int8_down_launch", "host_int8_mtp", "host_int8_hot_rows", "host_fp8",
-            *(f"host_int8_files{p}" for p in (100, 50, 20, 5)), "host_int8_files20_sync")  # fmt: skip
+            *(f"host_int8_files{p}" for p in (100, 50, 20, 5)), "host_int8_files20_sync",
+            *(f"host_int8_files{p}_calibrated" for p in (20, 5)))  # fmt: skip
     ratios = {}
     for key in results:
         name, at, kind = key.partition("#")[0].partition("@")
@@ -651,6 +718,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cold", action="store_true", help="drop the checkpoint's pages from the page cache before "
                         "each engine starts (posix_fadvise): start-up and the file tier's first reads from disk; "
                         "reported as VARIANT@cold")
+    parser.add_argument("--cold-reads", action="store_true", help="the file tier's pages forgotten before every timed "
+                        "run and read-around off: its misses read the drive (decode_reads: the runs' drive bytes); "
+                        "reported as VARIANT@cold-reads")
     parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
                         help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
                         "several: each in turn in one engine, reported as VARIANT@SOURCE")
@@ -672,7 +742,7 @@ def worker_command(name: str, checkpoint: Path, result: Path, args: argparse.Nam
     cmd = [sys.executable, "-m", "benchmarks.bench_serve", "--worker", name, "--checkpoint", str(checkpoint), "--result", str(result)]
     cmd += ["--geometry", args.geometry, "--table-gb", str(args.table_gb), "--layers", str(args.layers)]
     cmd += ["--graph-mode", args.graph_mode, "--batches", *map(str, args.batches)] + (["--profile"] if args.profile else [])
-    cmd += (["--memory-only"] if args.memory_only else []) + ["--prompts", *args.prompts]
+    cmd += (["--memory-only"] if args.memory_only else []) + (["--cold-reads"] if args.cold_reads else []) + ["--prompts", *args.prompts]
     return cmd + (["--down-silu", args.down_silu] if args.down_silu else [])
 
 
@@ -719,6 +789,7 @@ def main() -> None:
     for round_, name in itertools.product(range(1, args.rounds + 1), args.variants):
         for kind, r in run_variant(name, checkpoints[VARIANTS[name][2]], workdir, args).items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
+            key += "@cold-reads" if args.cold_reads else ""
             key += f"#{round_}" if round_ > 1 else ""
             results[key] = {**r, "down_silu_launch": args.down_silu} if name == "host_int8_down_launch" else r
             print(key, json.dumps(r), flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -111,6 +112,15 @@ def save(out: str | Path, stem: str, report: dict, plot: Callable[[dict, Path], 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     plot(report, out / f"{stem}.png")
+
+
+def commit() -> str:
+    """The commit a result file records: `QWEN4_EXP_HCU_COMMIT` (the device machine gets the tree without git), else
+    this checkout's HEAD."""
+    if os.environ.get("QWEN4_EXP_HCU_COMMIT"):
+        return os.environ["QWEN4_EXP_HCU_COMMIT"]
+    run = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() or "unknown"
 
 
 def drop_page_cache(path: str | Path) -> None:

@@ -224,6 +224,31 @@ def file_tier(share: float, docs: list[dict]) -> Cells:
                  "—", f"the whole table pinned: {whole} ms a lookup")
 
 
+def file_tier_cold(share: float, docs: list[dict]) -> Cells:
+    """Lookups through the file tier whose misses read the drive, against the drive's own random-read rates."""
+    doc = docs[0]
+    runs, steps = doc["results"], doc["steps"]
+
+    def at(stream, phase):
+        return next(r for r in runs if r["stream"] == stream and r["share"] == share and r["phase"] == phase)
+
+    streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
+    cold = " / ".join(num(1e3 * at(s, "cold")["s"], 1) for s in streams)
+    rate = " / ".join(f"{at(s, 'cold')['pages_needed'] / steps / at(s, 'cold')['s'] / 1e3:.1f} k" for s in streams)
+    hits = " / ".join(percent(at(s, "cold")["page_cache_hits"]) for s in streams)
+    warm = " / ".join(num(1e3 * at(s, "warm")["s"], 2) for s in streams)
+    around = " / ".join(num(1e3 * at(s, "cold_readahead")["s"], 1) for s in streams)
+    read = " / ".join(num(at(s, "cold_readahead")["drive_read_bytes"] / steps / 1e6, 0) for s in streams)
+    d = doc["drive"]
+    return Cells(f"{' / '.join(STREAMS[s] for s in streams)}: **{cold} ms** a lookup, every miss read from the drive "
+                 f"(page-cache hits {hits}; {rate} pages/s); warm {warm} ms; with the kernel's read-around {around} ms, "
+                 f"reading {read} MB a lookup; 1 round", "—",
+                 f"the drive, 4 KiB random reads: {d['qd1']['iops'] / 1e3:.1f} k IOPS one at a time, "
+                 f"{d['qd16']['iops'] / 1e3:.1f} k 16 at a time (O_DIRECT); through the maps "
+                 f"{d['mapped']['pages_per_s'] / 1e3:.1f} k pages/s a fault at a time, "
+                 f"{d['mapped_willneed']['pages_per_s'] / 1e3:.1f} k asked for first (`MADV_WILLNEED`)")
+
+
 def promotions(docs: list[dict]) -> Cells:
     runs = [r for r in docs[0]["results"] if r["phase"].startswith("decode")]
     caps = list(dict.fromkeys(r["cap"] for r in runs))
@@ -441,6 +466,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             partial(serve_bytes, "host_int8_files20@text", "host_int8@text", "ple_host"), "0.2× (the budget)"),
         Row("one lookup alone, 20 % resident (8 GB table, 256 tokens × 16 heads, C host node)",
             ("file_tier_session22/file_tier_cuda.json",), partial(file_tier, 0.2)),
+        Row("lookups whose misses read the drive, 20 % resident (0.25 GB table, 256 tokens × 16 heads; CPU, the files "
+            "on its virtual disk)", ("file_tier_cpu_cold/file_tier_cpu.json",), partial(file_tier_cold, 0.2)),
         Row("promotion stall: the slowest lookup that promotes rows (2 GB table, 20 % resident, CPU)",
             ("file_promotions.json",), promotions),
         Row("a promotion's callback into Python beside a busy Python thread (CPU)",
@@ -569,7 +596,7 @@ def device(doc: dict) -> str:
     machine = doc.get("machine", {})
     if doc.get("devices"):
         return f"{len(doc['devices'])}× {doc['devices'][0].removeprefix('NVIDIA ')}"
-    if gpu := machine.get("gpu") or machine.get("device"):
+    if (gpu := machine.get("gpu") or machine.get("device")) and gpu != "cpu":
         return gpu.removeprefix("NVIDIA ")
     return f"CPU, {machine['cpus']} cores" if "cpus" in machine else ""
 

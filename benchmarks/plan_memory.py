@@ -2,6 +2,7 @@
 
     python -m benchmarks.plan_memory [--config CKPT_OR_CONFIG_JSON] [--num-ple-layers 1] [--tokens 256]
                                      [--gpus-per-node 8] [--hot-rows-gib 0] [--host-table-gib 0]
+                                     [--host-ram-gib 0 [--host-reserve-gib 0]]
 
 Without --config the transformers defaults are used (vocab 248 320, hidden 2048, N=3, 8 heads per order,
 base 20 M rows per head) with `--num-ple-layers` PLE layers. For every TP in 1..8 and DP in 1..8 it
@@ -19,6 +20,13 @@ step, and its ids, 17 B each, that the host function reads and writes), the byte
 files, the pageable host bytes of the row maps (4 B per owned row and per resident row, the host function's
 table of a lookup's misses, + 4 B of counts per owned row and up to 8 MB of promotion candidates per layer when
 following traffic) and the GPU bytes of the tables (none: scales stay with their rows).
+With `--host-ram-gib R` (a node's host RAM, less `--host-reserve-gib` for the OS and the engine processes, which
+nothing here counts): per layout, whether the whole INT8 table fits pinned (each rank's own copy, or one per node with
+`dp_shared_memory`), else the `host_table_gib` to set: the largest budget whose resident rows, staging areas and row
+maps fit each rank's share of the RAM (following traffic, and with `host_table_calibration`, whose maps are smaller),
+and the decode speed measured at that share of the table: read from the serving result files docs/PERFORMANCE.md
+cites (`benchmarks.figures`), named, with the resident rows those runs held against their slots; where none was
+measured at that share it says so, and names the nearest measured share below.
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -26,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 from qwen4_exp_hcu.ple.etp import combine_bytes, looked_up_tokens
@@ -71,7 +81,7 @@ def file_tier_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int,
 
 
 def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host_table_bytes: int = 0,
-         max_step_tokens: int = 8192) -> list[dict]:
+         max_step_tokens: int = 8192, host_ram_bytes: float = 0, measured: list[dict] | None = None) -> list[dict]:
     specs = [NgramHashSpec.from_config(cfg, i) for i in range(len(cfg.ple_layer_ids))]
     heads, dim = specs[0].num_heads, specs[0].head_dim
     rows = [s.rows for s in specs]
@@ -103,8 +113,108 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host
                                        looked_up_tokens(world, across, max_step_tokens, tp) * heads)
                        if host_table_bytes else {}),
                 }
+                if host_ram_bytes:
+                    row["host_ram"] = host_ram_advice(row, per_layer, dim + 2, looked_up_tokens(world, across, max_step_tokens, tp) * heads,
+                                                      host_ram_bytes, gpus_per_node, measured or [])  # fmt: skip
                 out.append(row)
     return out
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# bench_serve's file-tier variants (resident rows following the traffic, or calibrated), by prompt source
+FILES_VARIANT = re.compile(r"^host_int8_files(\d+)(_calibrated)?(@\w+)?$")
+SAME_SHARE = 0.005  # a measured share this close to a budget's counts as measured at it
+
+
+def file_tier_host_bytes(per_layer: list[int], row_bytes: int, host_table_bytes: int, staging_rows: int,
+                         traffic: bool) -> int:  # fmt: skip
+    """Host bytes per rank of the file tier at a `host_table_gib` of `host_table_bytes`: resident rows and staging
+    (pinned) and the row maps (pageable), those of traffic's counts and candidates with `traffic`."""
+    b = file_tier_bytes(per_layer, row_bytes, host_table_bytes, 0, staging_rows)
+    return b["file_tier_pinned_bytes_per_rank"] + b["file_tier_host_map_bytes_per_rank" + ("_from_traffic" if traffic else "")]
+
+
+def largest_budget(ram: float, per_layer: list[int], row_bytes: int, staging_rows: int, traffic: bool) -> int | None:
+    """The largest `host_table_gib` bytes (whole rows in every layer) whose file tier fits `ram` bytes; None where
+    the staging areas and row maps alone do not fit."""
+    layers = len(per_layer)
+
+    def fits(rows: int) -> bool:
+        return file_tier_host_bytes(per_layer, row_bytes, rows * row_bytes * layers, staging_rows, traffic) <= ram
+
+    if not fits(0):
+        return None
+    lo, hi = 0, max(per_layer)  # rows per layer: fits(lo), and no more than every owned row
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * row_bytes * layers
+
+
+def serve_files() -> list[str]:
+    """The serving result files docs/PERFORMANCE.md cites (`benchmarks.figures`): the current measurements."""
+    from benchmarks.figures import FAMILIES
+
+    return sorted({f for _, rows in FAMILIES for row in rows for f in row.files if f.endswith("bench_serve.json")})
+
+
+def _described(result: dict) -> dict:
+    """A file-tier engine's resident rows against its slots, and its table's rows, from the table's description."""
+    text = " ".join(result.get("bytes", {}).get("ple_tables", []))
+    resident, rows = re.search(r"(\d+)/(\d+) rows resident", text), re.search(r"rows \[(\d+), (\d+)\)", text)
+    return {"resident_slots": (int(resident[1]), int(resident[2])) if resident else None,
+            "table_rows": int(rows[2]) - int(rows[1]) if rows else None}  # fmt: skip
+
+
+def measured_decode(results: Path = RESULTS) -> list[dict]:
+    """Every file-tier serving variant in `serve_files()`: its share of the table, prompts, decode tokens/s by batch
+    against the whole table pinned (`host_int8` with the same prompts, from the same file or one of its session's),
+    and its resident rows against its slots (fewer: the budget did not bind in that run)."""
+    docs = {name: json.loads((results / name).read_text()) for name in serve_files() if (results / name).exists()}
+    found = []
+    for name, doc in docs.items():
+        session = Path(name).parent.parent
+        refs = [name] + [n for n in docs if n != name and session != Path(".") and Path(n).parent.parent == session]
+        for key, r in doc["results"].items():
+            if not (m := FILES_VARIANT.match(key)) or "decode_tokens_per_s" not in r:
+                continue
+            whole = f"host_int8{m[3] or ''}"
+            ref = next(((n, docs[n]["results"][whole]) for n in refs if whole in docs[n]["results"]), None)
+            ratios = {b: v / ref[1]["decode_tokens_per_s"][b] for b, v in r["decode_tokens_per_s"].items()} if ref else None
+            found.append({"file": name, "variant": key, "share": int(m[1]) / 100, "prompts": (m[3] or "@uniform")[1:],
+                          "calibrated": bool(m[2]),
+                          "gpu": doc.get("machine", {}).get("gpu"), "graph_mode": doc.get("graph_mode"),
+                          "decode_tokens_per_s": r["decode_tokens_per_s"], "whole_table_file": ref and ref[0],
+                          "decode_vs_whole_table": ratios, **_described(r)})  # fmt: skip
+    return found
+
+
+def expected_decode(share: float, measured: list[dict]) -> dict:
+    """The decode measured at `share` of the table; where none was, a note saying so and the nearest share below."""
+    at = [m for m in measured if abs(m["share"] - share) < SAME_SHARE]
+    if at:
+        return {"measured": at}
+    below = [m for m in measured if m["share"] < share]
+    nearest = max((m["share"] for m in below), default=None)
+    return {"measured": [], "note": f"no GPU measurement at {share:.1%} of the table yet",
+            "nearest_below": [m for m in below if m["share"] == nearest]}  # fmt: skip
+
+
+def host_ram_advice(row: dict, per_layer: list[int], row_bytes: int, staging_rows: int, host_ram: float,
+                    gpus_per_node: int, measured: list[dict]) -> dict:  # fmt: skip
+    """What to set on a node of `host_ram` bytes (the reserve already taken) for one layout of `plan`."""
+    ranks = min(row["tp"] * row["dp"], gpus_per_node)
+    out = {"ranks_on_node": ranks, "host_ram_bytes_per_rank": host_ram / ranks,
+           "whole_table_fits": row["host_bytes_per_node_int8"] <= host_ram,
+           "whole_table_fits_dp_shared": row["host_bytes_per_node_int8_dp_shared"] <= host_ram}  # fmt: skip
+    if out["whole_table_fits"]:
+        return out
+    budgets = {t: largest_budget(host_ram / ranks, per_layer, row_bytes, staging_rows, t) for t in (True, False)}
+    table = row["int8_table_bytes_per_rank"]
+    share = None if budgets[True] is None else budgets[True] / table
+    return {**out, "host_table_gib": None if budgets[True] is None else math.floor(budgets[True] / 2**30 * 100) / 100,
+            "host_table_gib_calibrated": None if budgets[False] is None else math.floor(budgets[False] / 2**30 * 100) / 100,
+            "resident_share": share, "expected_decode": None if share is None else expected_decode(share, measured)}  # fmt: skip
 
 
 def node_bytes(rows: list[int], dim: int, tp: int, dp: int, across: bool, gpus_per_node: int) -> dict:
@@ -119,6 +229,71 @@ def node_bytes(rows: list[int], dim: int, tp: int, dp: int, across: bool, gpus_p
     return {"host_bytes_per_node_int8": round(private), "host_bytes_per_node_int8_dp_shared": round(shared)}
 
 
+GIB = 2**30
+
+
+def print_layouts(rows: list[dict]) -> None:
+    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'node host GiB':>13} {'shared':>7} | "
+          f"{'GPU scales':>10} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")  # fmt: skip
+    for r in rows:
+        if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2, 4, 8):
+            print(f"{r['tp']:>2} {r['dp']:>2} {'y' if r['embedding_across_dp'] else 'n':>3} | "
+                  f"{r['bf16_table_bytes_per_rank'] / GIB:9.2f} {r['int8_table_bytes_per_rank'] / GIB:9.2f} | "
+                  f"{r['host_bytes_per_node_int8'] / GIB:13.2f} {r['host_bytes_per_node_int8_dp_shared'] / GIB:7.2f} | "
+                  f"{r['gpu_bytes_per_rank_host_int8_device_scales'] / GIB:10.3f} | "
+                  f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f} "
+                  f"{r['etp_bytes_per_step_upstream'] / 2**20:9.2f}")
+
+
+def print_file_tier(rows: list[dict], host_table_gib: float) -> None:
+    print(f"\nfile tier, host_table_gib={host_table_gib}: per rank GiB")
+    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'pinned':>7} {'files':>7} {'maps':>5} {'GPU':>4}")
+    for r in rows:
+        if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2) and not r["embedding_across_dp"]:
+            print(f"{r['tp']:>2} {r['dp']:>2} {'n':>3} | {r['file_tier_pinned_bytes_per_rank'] / GIB:7.2f} "
+                  f"{r['file_tier_file_bytes_per_rank'] / GIB:7.2f} {r['file_tier_host_map_bytes_per_rank'] / GIB:5.2f} "
+                  f"{r['file_tier_gpu_bytes_per_rank'] / GIB:4.1f}")
+
+
+def describe_measurement(m: dict) -> str:
+    """One serving measurement in words: its decode against the whole table, where it comes from, and whether its
+    budget bound."""
+    ratios = " / ".join(f"{v:.3f}" for v in m["decode_vs_whole_table"].values()) if m["decode_vs_whole_table"] else "?"
+    resident, slots = m["resident_slots"] or (None, None)
+    bound = ("" if slots is None else f"; {resident:,} of {slots:,} slots resident"
+             + (": the budget bound" if resident == slots else ": the budget did not bind"))  # fmt: skip
+    rows = f", a table of {m['table_rows']:,} rows" if m["table_rows"] else ""
+    return (f"{m['share']:.0%} resident{' (calibrated)' if m['calibrated'] else ''}, {m['prompts']} prompts: decode b = {' / '.join(m['decode_tokens_per_s'])}: "
+            f"{ratios}x the whole table pinned ({m['gpu']}, {m['graph_mode']}{rows}; {m['file']}"
+            + (f" and {m['whole_table_file']}" if m["whole_table_file"] not in (None, m["file"]) else "") + f"){bound}")
+
+
+def print_host_ram(rows: list[dict], host_ram_gib: float, reserve_gib: float, gpus_per_node: int) -> None:
+    print(f"\nhost RAM {host_ram_gib:g} GiB a node, {reserve_gib:g} GiB of it kept for the OS and the engine processes "
+          "(--host-reserve-gib; nothing else here counts them):")  # fmt: skip
+    for r in rows:  # one replica, and replicas filling the node (rows not split over DP)
+        if r["tp"] not in (1, 2, 4, 8) or r["dp"] not in {1, max(1, gpus_per_node // r["tp"])} or r["embedding_across_dp"]:
+            continue
+        a, n = r["host_ram"], r["host_ram"]["ranks_on_node"]
+        head = f"TP{r['tp']} DP{r['dp']}: {n} rank{'s' if n > 1 else ''} on the node, {a['host_ram_bytes_per_rank'] / GIB:.2f} GiB each"
+        if a["whole_table_fits"]:
+            print(f"{head}: the whole table fits pinned ({r['int8_table_bytes_per_rank'] / GIB:.2f} GiB a rank): no host_table_gib")
+            continue
+        if a["whole_table_fits_dp_shared"]:
+            print(f"{head}: the whole table fits pinned once a node with dp_shared_memory")
+            head = "    without it"
+        if a["host_table_gib"] is None:
+            print(f"{head}: not even the file tier's staging and row maps fit")
+            continue
+        print(f"{head}: host_table_gib {a['host_table_gib']} ({a['host_table_gib_calibrated']} with host_table_calibration), "
+              f"{a['resident_share']:.1%} of the rank's {r['int8_table_bytes_per_rank'] / GIB:.2f} GiB table resident")
+        expected = a["expected_decode"]
+        if not expected["measured"]:
+            print(f"    {expected['note']}" + ("; the nearest below:" if expected["nearest_below"] else ""))
+        for m in expected["measured"] or expected["nearest_below"]:
+            print(f"    {describe_measurement(m)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config")
@@ -127,35 +302,26 @@ def main() -> None:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--hot-rows-gib", type=float, default=0.0, help="GPU hot-row cache per rank (serving's hot_rows_gib)")
     ap.add_argument("--host-table-gib", type=float, default=0.0, help="resident PLE rows per rank, the rest in files (serving's host_table_gib)")
+    ap.add_argument("--host-ram-gib", type=float, default=0.0, help="a node's host RAM: the host_table_gib to set for it")
+    ap.add_argument("--host-reserve-gib", type=float, default=0.0, help="of --host-ram-gib, what the OS and the engine processes keep")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM's step limit (sizes the file tier's staging)")
     ap.add_argument("--out", default="benchmarks/results/plan_memory.json")
     args = ap.parse_args()
     cfg = load_config(args.config, args.num_ple_layers)
-    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.hot_rows_gib * 2**30), int(args.host_table_gib * 2**30),
-                args.max_num_batched_tokens)
-    gib = 2**30
-    print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'BF16 GiB':>9} {'INT8 GiB':>9} | {'node host GiB':>13} {'shared':>7} | "
-          f"{'GPU scales':>10} | {'PCIe MiB/step':>13} {'ETP MiB/step':>12} {'upstream':>9}")  # fmt: skip
-    for r in rows:
-        if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2, 4, 8):
-            print(f"{r['tp']:>2} {r['dp']:>2} {'y' if r['embedding_across_dp'] else 'n':>3} | "
-                  f"{r['bf16_table_bytes_per_rank'] / gib:9.2f} {r['int8_table_bytes_per_rank'] / gib:9.2f} | "
-                  f"{r['host_bytes_per_node_int8'] / gib:13.2f} {r['host_bytes_per_node_int8_dp_shared'] / gib:7.2f} | "
-                  f"{r['gpu_bytes_per_rank_host_int8_device_scales'] / gib:10.3f} | "
-                  f"{r['pcie_bytes_per_step_int8'] / 2**20:13.2f} {r['etp_bytes_per_step'] / 2**20:12.2f} "
-                  f"{r['etp_bytes_per_step_upstream'] / 2**20:9.2f}")
+    host_ram = (args.host_ram_gib - args.host_reserve_gib) * GIB if args.host_ram_gib else 0
+    measured = measured_decode() if host_ram else []
+    rows = plan(cfg, args.tokens, args.gpus_per_node, int(args.hot_rows_gib * GIB), int(args.host_table_gib * GIB),
+                args.max_num_batched_tokens, host_ram, measured)  # fmt: skip
+    print_layouts(rows)
     if args.host_table_gib:
-        print(f"\nfile tier, host_table_gib={args.host_table_gib}: per rank GiB")
-        print(f"{'TP':>2} {'DP':>2} {'xDP':>3} | {'pinned':>7} {'files':>7} {'maps':>5} {'GPU':>4}")
-        for r in rows:
-            if r["tp"] in (1, 2, 4, 8) and r["dp"] in (1, 2) and not r["embedding_across_dp"]:
-                print(f"{r['tp']:>2} {r['dp']:>2} {'n':>3} | {r['file_tier_pinned_bytes_per_rank'] / gib:7.2f} "
-                      f"{r['file_tier_file_bytes_per_rank'] / gib:7.2f} {r['file_tier_host_map_bytes_per_rank'] / gib:5.2f} "
-                      f"{r['file_tier_gpu_bytes_per_rank'] / gib:4.1f}")
+        print_file_tier(rows, args.host_table_gib)
+    if host_ram:
+        print_host_ram(rows, args.host_ram_gib, args.host_reserve_gib, args.gpus_per_node)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"ple_layer_ids": list(cfg.ple_layer_ids), "tokens_per_dp_rank": args.tokens, "gpus_per_node": args.gpus_per_node,
-            "hot_rows_bytes_per_rank": int(args.hot_rows_gib * 2**30), "host_table_bytes_per_rank": int(args.host_table_gib * 2**30),
-            "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+            "hot_rows_bytes_per_rank": int(args.hot_rows_gib * GIB), "host_table_bytes_per_rank": int(args.host_table_gib * GIB),
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            **({"host_ram_bytes": args.host_ram_gib * GIB, "host_reserve_bytes": args.host_reserve_gib * GIB} if host_ram else {})}  # fmt: skip
     Path(args.out).write_text(json.dumps({**meta, "plans": rows}, indent=1))
 
 

@@ -1,28 +1,58 @@
-"""`benchmarks/bench_file_tier.py` on a small table (CPU): every stream and budget is reported against the whole
-table, the lookups checked exact on the way, and the resident rows never exceed the budget's slots; where the
-calibration holds fewer rows than the slots, the report shows it (the budget did not bind)."""
+"""`benchmarks/bench_file_tier.py` on a small table (CPU): every stream, budget and phase is reported against the
+whole table, the lookups checked exact on the way; the calibration grows until every budget binds (resident rows ==
+slots); the cold phase's misses read the drive (its page-cache hit rate below the warm phase's, on files just
+written); and the drive probe (`benchmarks.page_cache`) reports sane fields."""
 
 import json
 import sys
 
+import numpy as np
 import pytest
 
-from benchmarks import bench_file_tier
+from benchmarks import bench_file_tier, page_cache
 
 
 @pytest.mark.cpu_only
-def test_the_benchmark_reports_every_budget_and_what_it_kept(tmp_path, monkeypatch):
+def test_the_benchmark_reports_every_budget_filled_and_the_cold_reads(tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["bench", "--table-gb", "0.01", "--steps", "2", "--tokens", "16", "--calib-tokens",
-                                      "2048", "--dir", str(tmp_path / "t"), "--out", str(out)])  # fmt: skip
+                                      "2048", "--probe-reads", "64", "--dir", str(tmp_path / "t"), "--out", str(out)])  # fmt: skip
     bench_file_tier.main()
-    results = json.loads((out / "file_tier_cpu.json").read_text())["results"]
-    tiered = [r for r in results if r["phase"] != "whole"]
+    report = json.loads((out / "file_tier_cpu.json").read_text())
+    tiered = [r for r in report["results"] if r["phase"] != "whole"]
     assert {(r["stream"], r["share"], r["phase"]) for r in tiered} == {
         (s, share, p) for s in ("uniform", "zipf1.1", "text") for share in bench_file_tier.SHARES for p in ("cold", "warm")
     }
-    assert all(0 < r["resident_rows"] <= r["slots"] and r["vs_whole"] > 0 for r in tiered)
+    # 2 048 tokens hold fewer rows than the 50 % budget's slots: uniform filler makes up the rest, so every budget binds
+    assert all(c["distinct_rows"] >= c["rows_needed"] > 0 and c["uniform_filler_tokens"] > 0 for c in report["calibration"].values())
+    assert all(r["resident_rows"] == r["slots"] > 0 and r["vs_whole"] > 0 for r in tiered)
     full = [r for r in tiered if r["share"] == 1.0]
-    assert all(r["resident_rows"] == r["slots"] and r["resident_hits"] == 1.0 for r in full)
-    assert any(r["resident_rows"] < r["slots"] for r in tiered)  # 2 048 tokens leave the 50 % budget unfilled
+    assert all(r["resident_hits"] == 1.0 and r["pages_needed"] == 0 for r in full)
+    for partial in (r for r in tiered if r["share"] < 1 and r["phase"] == "cold"):
+        warm = next(r for r in tiered if r["phase"] == "warm" and (r["stream"], r["share"]) == (partial["stream"], partial["share"]))
+        assert partial["pages_needed"] == warm["pages_needed"] > 0
+        assert partial["major_faults"] > 0 and partial["page_cache_hits"] < warm["page_cache_hits"], (partial, warm)
+    assert report["commit"] and report["drive"]["qd1"]["depth"] == 1 and report["drive"]["qd16"]["depth"] == 16
     assert (out / "file_tier_cpu.png").exists()
+
+
+def test_the_drive_probe_reports_sane_fields(tmp_path):
+    files = []
+    for i, size in enumerate((1 << 20, 3 << 20, 100)):  # the last holds no whole block: never read
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8).tobytes())
+    for depth in (1, 4):
+        r = page_cache.random_read_rate(files, reads=64, depth=depth)
+        assert (r["reads"], r["depth"], r["block"], r["bytes_spanned"]) == (64, depth, 4096, 4 << 20)
+        assert r["iops"] > 0 and r["mb_per_s"] == pytest.approx(r["iops"] * 4096 / 1e6)
+        assert isinstance(r["o_direct"], bool) and r["s"] > 0
+
+
+def test_the_mapped_probe_reads_cold_pages_one_fault_each_or_all_asked_for_first(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes())
+    for prefetch in (False, True):
+        r = page_cache.mapped_read_rate([path], reads=32, prefetch=prefetch)
+        assert (r["reads"], r["prefetch"]) == (32, prefetch) and r["pages_per_s"] > 0
+        assert r["drive_read_bytes"] > 0  # the file's pages were dropped: the touches read the drive
+        assert 0 < r["major_faults"] <= 32 if not prefetch else r["major_faults"] <= 32  # queued first: found in the cache

@@ -152,3 +152,55 @@ def test_checkpoints_grow_to_the_models_depth_and_table(tmp_path):
             assert layer.table.format.name == fmt and layer.table.weight.shape[0] == layer.spec.rows
         inodes = {(out[kind] / f"layer-{i:03d}.safetensors").stat().st_ino for i in range(6)}
         assert inodes == {(tmp_path / "layers" / f"layer-{i:03d}.safetensors").stat().st_ino for i in range(6)}
+
+
+def test_a_calibrated_variant_names_a_row_for_every_slot(tmp_path):
+    """`calibration_tokens`: the text, then enough uniform ids that the stream names at least `slots` rows of the
+    table, up to half of it (the real hash, a small table)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.common import bench_config
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
+
+    spec = NgramHashSpec.from_config(bench_config(40_000, 8, 160), 0)
+    for slots in (spec.rows // 2, spec.rows // 20):
+        tokens = bench_serve.calibration_tokens(slots, 32_000)
+        bench_serve.save_tokens(tokens, tmp_path / "calibration.safetensors")
+        tokens = load_file(tmp_path / "calibration.safetensors")["tokens"]
+        assert tokens.dim() == 1 and 0 <= int(tokens.min()) and int(tokens.max()) < 32_000
+        context = torch.full((1, spec.context_len), spec.eos_token_id)
+        ids = ngram_ids(spec, tokens, torch.tensor([0, tokens.numel()]), context)
+        assert torch.unique(ids).numel() >= slots
+
+
+@pytest.mark.cpu_only
+def test_cold_reads_forget_the_file_tiers_pages(tmp_path):
+    """`forget_file_pages` (`--cold-reads`, run through `llm.apply_model`): after it, a lookup's misses fault their
+    pages in from the drive; before it, the same lookup's pages were cached and mapped."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.common import DIM, HEADS, bench_config, load_table, write_table
+    from benchmarks.page_cache import IOCount
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.ple.storage import PLEStorage
+    from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
+
+    spec = NgramHashSpec.from_config(bench_config(20_000, HEADS // 2, DIM), 0)
+    shard_rows = -(-spec.rows // 4)
+    write_table(tmp_path, spec.rows, shard_rows)
+    tier = FileTier(CheckpointFiles(tmp_path), 0, refresh_every=0)
+    table = load_table(tmp_path, spec.rows, shard_rows, PLEStorage("int8", host=True, file_tier=tier))
+    model = SimpleNamespace(model=SimpleNamespace(ple_blocks=[SimpleNamespace(layer=SimpleNamespace(table=table))]))
+    ids = torch.randint(0, spec.rows, (64, HEADS), generator=torch.Generator().manual_seed(0))
+    table.lookup(ids)
+    before = IOCount.now()
+    table.lookup(ids)
+    assert (IOCount.now() - before).major_faults == 0
+    assert bench_serve.forget_file_pages(model) == 1
+    before = IOCount.now()
+    table.lookup(ids)
+    assert (IOCount.now() - before).major_faults > 0

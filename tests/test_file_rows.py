@@ -87,6 +87,31 @@ def test_resident_rows_are_the_most_read(checkpoints):
     assert rows.slots == 2 and set(rows.slot_row.tolist()) == {5, 7}
 
 
+@pytest.mark.parametrize("share", [0.2, 0.05])
+@pytest.mark.parametrize("rank", [None, 1], ids=["whole", "rank1of3"])
+def test_a_calibrated_start_fills_every_slot_the_budget_pays_for(checkpoints, share, rank):
+    """Serving's calibrated start (`host_table_calibration`: a token stream's row ids, `fill_resident_rows`): a
+    stream holding more of the rank's rows than the budget has slots fills every slot; a short one leaves slots
+    empty, which the description (logged at start-up) says."""
+    path = checkpoints["int8"]
+    storage = PLEStorage(host=True, etp_group=None if rank is None else _Rank(rank, 3))
+    layer = load_ple_layer(path, _layer_id(path), storage)
+    tiered = dataclasses.replace(storage, file_tier=_tier(path, layer.table, share))
+    table = load_ple_layer(path, _layer_id(path), tiered).table
+    rows = table.file_rows
+    assert 0 < rows.slots < rows.n
+    tokens = torch.randint(0, text_config_of(path).vocab_size, (4 * rows.n,), generator=torch.Generator().manual_seed(0))
+    ids = layer.calibration_ids(tokens)
+    local = ids.reshape(-1) - table.start
+    assert torch.unique(local[(local >= 0) & (local < rows.n)]).numel() > rows.slots  # enough distinct rows
+    table.fill_resident_rows(ids)
+    assert rows.resident_rows == rows.slots and "stay empty" not in rows.describe()
+    short = _tier(path, layer.table, share)
+    rows = load_ple_layer(path, _layer_id(path), dataclasses.replace(storage, file_tier=short)).table.file_rows
+    rows.fill(torch.tensor([table.start, table.start + 1]))
+    assert rows.resident_rows == 2 and f"{rows.slots - 2} slots stay empty" in rows.describe()
+
+
 def test_a_missing_file_fails_at_load_naming_it(checkpoints, tmp_path):
     src = checkpoints["int8"]
     dst = tmp_path / "split"

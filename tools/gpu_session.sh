@@ -26,7 +26,9 @@
 #                                  GPU-resident reference takes 52 GB)  -> $OUT/lookup_release_tp1; HUGE=1: that copy on
 #                                  2 MiB pages -> $OUT/lookup_release_tp1_huge
 #   file-tier                      benchmarks/bench_file_tier.py on an 8 GB table of the release's rows: lookups at 100 / 50 / 20 /
-#                                  5 % resident, text / Zipf / uniform ids, cold and warm (no vLLM)  -> $OUT/file_tier
+#                                  5 % resident, text / Zipf / uniform ids, cold and warm (no vLLM)  -> $OUT/file_tier;
+#                                  FT_ARGS replaces "--table-gb 8" (e.g. "--table-gb 13 --shares 1 0.2 0.05": the TP4
+#                                  rank's table at budgets that bind)
 #   memory                         GPU bytes after load, the default 2 GB host table, per graph mode (MODES, default the
 #                                  torch.compile ones, where Inductor could copy a table; VARS default "host_int8 gpu_int8")
 #                                  -> $OUT/memory_MODE
@@ -86,7 +88,7 @@ PY
   lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
                 | grep -v "^ \|^{\|^}" | tail -40 ;;
-  file-tier) python3 -m benchmarks.bench_file_tier --table-gb 8 --dir /tmp/file-tier --out "$OUT/file_tier" 2>&1 | tail -40 ;;
+  file-tier) python3 -m benchmarks.bench_file_tier ${FT_ARGS:---table-gb 8} --dir /tmp/file-tier --out "$OUT/file_tier" 2>&1 | tail -60 ;;
   memory) for m in ${MODES:-full_and_piecewise piecewise full_decode_only_compiled}; do
             python3 -m benchmarks.bench_serve --memory-only --graph-mode "$m" --variants ${VARS:-host_int8 gpu_int8} \
               --out "$OUT/memory_$m" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -6

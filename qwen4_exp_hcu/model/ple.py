@@ -192,8 +192,9 @@ class PLEBlock(nn.Module, MambaBase):
             logger.info("%s: %s", self.prefix, self.layer.enable_hot_rows(budget, calibration).describe())
         if self.file_calibration is not None:
             self.layer.table.fill_resident_rows(self.layer.calibration_ids(self.file_calibration))
-        if self.layer.table.file_rows is not None:
-            logger.info("%s: %s", self.prefix, self.layer.table.describe())
+        if (rows := self.layer.table.file_rows) is not None:  # a warning where the budget pays for empty slots
+            log = logger.warning if self.file_calibration is not None and rows.resident_rows < rows.slots else logger.info
+            log("%s: %s", self.prefix, self.layer.table.describe())
 
     def table_report(self) -> dict:
         """A report on the table, for the demo and tests: where it lives (device, pinned, data pointer), its dtype,
