@@ -283,13 +283,28 @@ def _start_as_released(release, path, records, monkeypatch):
     return None
 
 
+def served_errors(llm, path, oracle) -> tuple[torch.Tensor, bool]:
+    """(The top-5 logprob errors of PROMPTS served by `llm` against transformers on `oracle`, whether the greedy tokens
+    are equal); `llm` is stopped."""
+    from helpers.engines import stop
+    from helpers.references import greedy
+    from helpers.scenarios import logprob_errors
+    from test_vllm_parity import generate, tokens
+
+    try:
+        outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
+    finally:
+        stop(llm)
+    reference = greedy(oracle, PROMPTS, NEW_TOKENS, tokens(outputs))
+    errors = torch.cat([logprob_errors(o.logprobs, r["logprobs"])
+                        for o, r in zip(outputs, reference, strict=True)])  # fmt: skip
+    return errors, [list(o.token_ids) for o in outputs] == [r["tokens"] for r in reference]
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_served_matches_transformers(release, releases, watch_loading, monkeypatch, tmp_path):
-    from helpers.engines import stop
-    from helpers.references import greedy
-    from helpers.scenarios import WIDE, logprob_errors
-    from test_vllm_parity import generate, tokens
+    from helpers.scenarios import RELEASE_LAYOUTS
 
     path = releases[release]
     oracle = write_oracle(path, tmp_path / "oracle")
@@ -301,15 +316,24 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
         watch_loading.clear()
         llm = _start(write_cpu_substitute(path, tmp_path / "cpu-substitute"))
         watch_loading[-1].assert_all_consumed()
-    try:
-        outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
-        tables = {b.table_report()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
-    finally:
-        stop(llm)
+    tables = {b.table_report()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
+    errors, tokens_equal = served_errors(llm, path, oracle)
     assert tables == {"bfloat16" if release == "bf16" else "float8_e4m3fn"}
-    reference = greedy(oracle, PROMPTS, NEW_TOKENS, tokens(outputs))
-    assert [list(o.token_ids) for o in outputs] == [r["tokens"] for r in reference]
-    errors = torch.cat([logprob_errors(o.logprobs, r["logprobs"])
-                        for o, r in zip(outputs, reference, strict=True)])  # fmt: skip
+    assert tokens_equal
     print(f"{release}, {served}: top-5 logprobs vs transformers: mean {errors.mean():.4f}, max {errors.max():.4f}")
-    assert errors.mean() < WIDE.mean and errors.max() < WIDE.max
+    assert RELEASE_LAYOUTS.holds(errors)
+
+
+@pytest.mark.vllm
+def test_release_experts_with_gate_and_up_swapped_are_caught(releases, monkeypatch, tmp_path):
+    """The BF16 release with its fused experts' gate and up halves swapped at loading
+    (`faults.swap_fused_expert_halves`) must fail the same comparison."""
+    from helpers.faults import swap_fused_expert_halves
+    from helpers.scenarios import RELEASE_LAYOUTS
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where the fault is
+    swap_fused_expert_halves(monkeypatch.setattr)
+    oracle = write_oracle(releases["bf16"], tmp_path / "oracle")
+    errors, _ = served_errors(_start(releases["bf16"]), releases["bf16"], oracle)
+    print(f"bf16, experts' gate and up swapped: mean {errors.mean():.4f}, max {errors.max():.4f}")
+    assert not RELEASE_LAYOUTS.holds(errors)

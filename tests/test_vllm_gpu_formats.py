@@ -2,7 +2,7 @@
 scale) and NVFP4 layouts, in pinned host memory, against transformers on their dequantized rows.
 
 The same scenarios as `test_vllm_gpu.py` (chunked prefill, EOS in prompts, a concurrent batch, a prefix-cache
-hit) within the `WIDE` tolerance (`helpers.scenarios`), one engine process per checkpoint (`vllm_gpu_worker.py`), run two at a time.
+hit) within the `TABLE_FORMATS` tolerance (`helpers.scenarios`), one engine process per checkpoint (`vllm_gpu_worker.py`), run two at a time.
 
     source .gpu-vllm/setup.sh && python3 -m pytest -s tests/test_vllm_gpu_formats.py
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.checkpoints import upstream_table_checkpoints
-from helpers.scenarios import WIDE
+from helpers.scenarios import TABLE_FORMATS
 from qwen4_exp_hcu.tiny import make_tiny_checkpoint
 from test_vllm_gpu import TIMEOUT_S, WORKER, compare, references, within_tolerance
 
@@ -69,6 +69,6 @@ def test_upstream_table_layouts_in_breakable_graphs(variant, served, record_prop
     print(f"GPU-FORMAT {variant:<15} graphs={result['cudagraph_mode']} breakable={result['breakable']} "
           f"logprob err mean {worst['mean']:.4f} max {worst['max']:.4f} tables={[t['describe'] for t in result['tables']]}")  # fmt: skip
     assert result["breakable"] and result["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    assert within_tolerance(report, WIDE), report
+    assert within_tolerance(report, TABLE_FORMATS), report
     for table in result["tables"]:
         assert (table["device"], table["pinned"], table["dtype"]) == ("cpu", True, VARIANTS[variant][2]), table

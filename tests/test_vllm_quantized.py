@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import engines
 from helpers.checkpoints import quantize_main
+from helpers.faults import ROW_ERROR, scale_table_rows
 from helpers.references import greedy
-from helpers.scenarios import MAX_NEW_TOKENS, PROMPTS, WIDE, logprob_errors
+from helpers.scenarios import MAX_NEW_TOKENS, PROMPTS, QUANTIZED_MAIN, TABLE_FORMATS, logprob_errors
 from qwen4_exp_hcu.model.model import report_ple_tables
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint
@@ -98,33 +100,53 @@ def test_quantized_main_with_int8_ple_tables(checkpoints):
     }, methods
     errs, tokens_equal = errors(outputs, checkpoints["oracle"])
     print(f"{checkpoints['scheme']} + INT8 PLE vs transformers on the dequantized weights: mean {errs.mean():.4f}, max {errs.max():.4f}")
-    assert tokens_equal and errs.mean() < WIDE.mean and errs.max() < WIDE.max
+    assert tokens_equal and QUANTIZED_MAIN.holds(errs)
 
 
 def test_wrong_main_scales_are_caught(checkpoints):
     _, _, outputs = serve(checkpoints["broken"])
     errs, _ = errors(outputs, checkpoints["oracle"])
     print(f"{checkpoints['scheme']} main scales off by 2x in two layers: mean {errs.mean():.4f}, max {errs.max():.4f}")
-    assert errs.mean() > WIDE.mean or errs.max() > WIDE.max
+    assert not QUANTIZED_MAIN.holds(errs)
 
 
-@pytest.mark.parametrize("fmt, scale_dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("nvfp4", None)],
-                         ids=["fp8-bf16-scale", "fp8-fp32-scale", "nvfp4"])  # fmt: skip
-def test_upstream_fp8_and_nvfp4_tables_served(fmt, scale_dtype, tiny, tmp_path_factory):
-    """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`, one table-level scale) are
-    served as they are (kept packed, dequantized inside the lookup) and match transformers on their
-    dequantized rows (decoded by torch's float8 dtype and compressed-tensors' FP4 helpers)."""
+FORMATS = {"fp8-bf16-scale": ("fp8", torch.bfloat16), "fp8-fp32-scale": ("fp8", torch.float32), "nvfp4": ("nvfp4", None)}
+
+
+def serve_table_format(variant, tiny, root, env=None) -> tuple[set[str], torch.Tensor, bool]:
+    """The tiny checkpoint with its PLE tables in `variant`'s layout, served (`env` set while the engine starts):
+    (the tables' stored dtypes, the logprob errors against transformers on the dequantized rows, whether the greedy
+    tokens are equal)."""
     from helpers.checkpoints import upstream_table_checkpoints
 
-    root = tmp_path_factory.mktemp(fmt)
+    fmt, scale_dtype = FORMATS[variant]
     served = upstream_table_checkpoints(tiny["bf16"], root / fmt, root / "oracle", fmt, scale_dtype)
-    llm = start_engine(served)
+    llm = start_engine(served, env)
     try:
         tables = llm.apply_model(report_ple_tables)[0]["now"]
         outputs = generate(llm, PROMPTS)
     finally:
         stop_engine(llm)
-    assert {t["dtype"] for t in tables} == {"fp8": {"float8_e4m3fn"}, "nvfp4": {"uint8"}}[fmt]
-    errs, tokens_equal = errors(outputs, root / "oracle")
-    print(f"{fmt} PLE tables vs transformers on their dequantized rows: mean {errs.mean():.4f}, max {errs.max():.4f}")
-    assert tokens_equal and errs.mean() < WIDE.mean and errs.max() < WIDE.max
+    return {t["dtype"] for t in tables}, *errors(outputs, root / "oracle")
+
+
+@pytest.mark.parametrize("variant", list(FORMATS))
+def test_upstream_fp8_and_nvfp4_tables_served(variant, tiny, tmp_path_factory):
+    """PLE tables in upstream vLLM's FP8 / NVFP4 layouts (`ple_embedding_dtype`, one table-level scale) are
+    served as they are (kept packed, dequantized inside the lookup) and match transformers on their
+    dequantized rows (decoded by torch's float8 dtype and compressed-tensors' FP4 helpers)."""
+    dtypes, errs, tokens_equal = serve_table_format(variant, tiny, tmp_path_factory.mktemp(variant))
+    assert dtypes == {"fp8": {"float8_e4m3fn"}, "nvfp4": {"uint8"}}[FORMATS[variant][0]]
+    print(f"{variant} PLE tables vs transformers on their dequantized rows: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    assert tokens_equal and TABLE_FORMATS.holds(errs)
+
+
+def test_table_scale_off_is_caught(tiny, tmp_path_factory):
+    """The FP8 table with every row read 10 % too large (what its table-level scale that far off does,
+    `faults.scale_table_rows`) must fail `TABLE_FORMATS`."""
+    with pytest.MonkeyPatch.context() as patch:
+        scale_table_rows(patch.setattr)
+        root = tmp_path_factory.mktemp("fault")
+        _, errs, _ = serve_table_format("fp8-bf16-scale", tiny, root, {engines.MULTIPROCESSING: "0"})  # where the patch is
+    print(f"fp8-bf16-scale, rows {ROW_ERROR:.2f}x: mean {errs.mean():.4f}, max {errs.max():.4f}")
+    assert not TABLE_FORMATS.holds(errs)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
-from helpers.scenarios import EOS, GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, WIDE, logprob_errors
+from helpers.scenarios import EOS, GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, SPECULATION, logprob_errors
 from helpers.steps import patch_forward_context
 
 pytestmark = [pytest.mark.vllm, pytest.mark.speculative]
@@ -150,7 +150,7 @@ def test_ngram_speculation_equals_no_speculation(checkpoint, plain, engine, requ
     print(f"SPEC-PARITY async_scheduling={c['async_scheduling']} logprob err mean {mean:.4f} max {worst:.4f}; "
           f"drafts {c['spec_decode_num_draft_tokens']:.0f}, accepted {c['spec_decode_num_accepted_tokens']:.0f}")  # fmt: skip
     per_prompt = [round(errors([r], [ref])[1], 4) for r, ref in zip(ngram["outputs"], plain["outputs"], strict=True)]
-    assert mean < WIDE.mean and worst < WIDE.max, (mean, worst, per_prompt)
+    assert mean < SPECULATION.mean and worst < SPECULATION.max, (mean, worst, per_prompt)
     assert_prefix_cache_hit(ngram["outputs"])
     if ON_GPU:  # both paths: drafts accepted (commit) and rejected (rollback)
         assert 0 < c["spec_decode_num_accepted_tokens"] < c["spec_decode_num_draft_tokens"], c
@@ -175,7 +175,7 @@ def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, ngram
         broken, _ = generate(broken_llm, plain["prompts"])
     mean, worst = errors(broken, plain["outputs"])
     print(f"SPEC-FAULT logprob err mean {mean:.4f} max {worst:.4f}")
-    assert not (mean < WIDE.mean and worst < WIDE.max), (mean, worst)
+    assert not (mean < SPECULATION.mean and worst < SPECULATION.max), (mean, worst)
 
 
 def test_speculative_metadata_becomes_one_batch_in_request_order():
@@ -250,7 +250,7 @@ def test_mtp_speculation_equals_no_speculation(checkpoint, plain, engine, tmp_pa
     print(f"MTP-PARITY ({'following' if follow_target else 'random'} head, async_scheduling={async_scheduling}) "
           f"logprob err mean {mean:.4f} max {worst:.4f}; "
           f"drafts {drafts:.0f}, accepted {accepted:.0f} ({accepted / max(drafts, 1):.1%})")  # fmt: skip
-    assert mean < WIDE.mean and worst < WIDE.max, (mean, worst)
+    assert mean < SPECULATION.mean and worst < SPECULATION.max, (mean, worst)
     assert drafts > 0, c
     assert_prefix_cache_hit(speculative)
     if follow_target:

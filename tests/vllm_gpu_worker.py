@@ -3,11 +3,12 @@
 Run by `tests/test_vllm_gpu.py`, one subprocess per (mode, prefetch), because vLLM reads its graph settings
 (`VLLM_USE_BREAKABLE_CUDAGRAPH`, cached envs) once per process. The engine runs in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `--fault` can break the PLE state carry here and nowhere else, and
-`--rows-fault F` can read every PLE row F times too large (`helpers.faults`: the subtle fault `TINY` is calibrated on).
+`--rows-fault F` can read every PLE row F times too large (`helpers.faults.scale_table_rows`: the row fault the
+bounds are set against).
 `--emulate-precision-casts` asks Inductor to round its fused kernels' intermediates to bf16 as eager does (torch.compile
 modes only; they then give eager's figures: their larger errors are that rounding).
 
-    python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault] [--rows-fault 1.02]
+    python tests/vllm_gpu_worker.py CHECKPOINT OUT.json --mode breakable [--no-prefetch] [--fault] [--rows-fault 1.1]
         [--emulate-precision-casts]
 """
 
