@@ -283,8 +283,10 @@ def test_streams_under_load_finish_or_are_closed_by_their_client(load):
     assert len(closed) == LOAD_STREAMS // CLOSED_EVERY and len(completed) == LOAD_STREAMS - len(closed)
     for s in completed:
         assert (s["finish"], s["usage"]["completion_tokens"]) == ("length", s["max_tokens"]), s
-    # Every completed stream finished by length on the engine; no closed one did, and none is left running.
-    assert load["length_finished"] == len(completed)
+    # Every completed stream finished by length on the engine, and nothing is left running. A client's close reaches
+    # the engine through the API server's disconnect watch, so how many closed streams the engine still finished
+    # depends on timing; that at least one was aborted mid-generation is what this load is for.
+    assert len(completed) <= load["length_finished"] < len(completed) + len(closed), load["length_finished"]
     assert load["left"] == 0
 
 
