@@ -131,8 +131,10 @@ def tool(tmp_path, *options: str) -> subprocess.CompletedProcess:
 
 
 def tool_run(tmp_path, *options: str) -> subprocess.CompletedProcess:
-    """The tool on the sample suite (outside tests/, so the plugin comes by `-p`)."""
-    plugins = ["-p", "helpers.run_record", "-p", "helpers.records"]
+    """The tool on the sample suite (outside tests/, so the plugin comes by `-p`). Its root is the sample's folder:
+    pytest would otherwise root it at the common ancestor of that folder and the checkout (e.g. /tmp), and name
+    the tests from there."""
+    plugins = ["-p", "helpers.run_record", "-p", "helpers.records", "--rootdir", str(tmp_path)]
     return tool(tmp_path, *options, "--", *plugins, str(tmp_path / "test_sample.py"))
 
 

@@ -93,10 +93,10 @@ SPECULATION = Tolerance(0.012, 0.13)
 # Prompts of 3k-8k tokens beyond the QSA budget (`test_vllm_long_context.py`: the tiny INT8 checkpoint with the
 # release's budget, its attention sharpened by `helpers.checkpoints.sharpen_attention` so that which blocks QSA
 # keeps matters). transformers' own bf16 run against its fp32 run on the CPU, the noise a bf16 engine cannot avoid,
-# at 3000 / 5000 / 8000 tokens: 0.0097 / 0.050, 0.018 / 0.094, 0.0099 / 0.044; dense attention over every token,
-# the fault QSA guards against: 0.109 / 0.49, 0.145 / 0.48, 0.168 / 0.79 (`test_tolerances.py` holds the
-# 3000-token pair). vLLM's figures on the GPU are to be measured.
-LONG = Tolerance(0.055, 0.3)
+# at 3000 / 5000 / 8000 tokens: 0.0097 / 0.050, 0.017 / 0.142, 0.011 / 0.044; dense attention over every token,
+# the fault QSA guards against: 0.109 / 0.49, 0.150 / 0.77, 0.147 / 0.68 (`test_tolerances.py`,
+# `test_sharpened_attention_tells_qsa_from_dense`). vLLM's figures on the GPU are to be measured.
+LONG = Tolerance(0.055, 0.43)
 LONG_FAULT_RATIO = 5  # the dense fault's mean error at least this many times the QSA run's, at every long prompt
 # Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
 # a fixed KV cache, since several engines may share the GPU.
