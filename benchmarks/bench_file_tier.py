@@ -39,7 +39,6 @@ ids first; the resident rows then come from the calibration ids it does not serv
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import shlex
@@ -237,12 +236,12 @@ def measure_share(run: Setup, stream: str, share: float, steps: list[torch.Tenso
         m = measure_phase(table, steps, phase, pages)
         results.append(dict(stream=stream, share=share, phase=phase, **m, gbps=run.useful / m["s"] / 1e9,
                             vs_whole=base / m["s"], resident_hits=hits, calibration_served=served,
-                            resident_rows=rows.resident_rows, slots=rows.slots, hot_rows=run.args.hot_rows_share,
+                            resident_rows=rows.filled, slots=rows.slots, hot_rows=run.args.hot_rows_share,
                             gpu_hits=gpu_hits))  # fmt: skip
         print(f"{stream:8} {share:4.0%} resident {phase:14} {m['s'] * 1e3:8.3f} ms  {base / m['s']:5.2f}x whole  "
               f"host staging {m['staging_s'] * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  page cache hits "
               f"{m['page_cache_hits']:.0%} of {m['pages_needed']} pages, drive {m['drive_read_bytes'] / 2**20:.1f} MiB  "
-              f"resident {rows.resident_rows}/{rows.slots} rows", flush=True)  # fmt: skip
+              f"resident {rows.filled}/{rows.slots} rows", flush=True)  # fmt: skip
     return results
 
 
@@ -258,9 +257,6 @@ def measure_stream(run: Setup, stream: str, tokens: torch.Tensor) -> list[dict]:
     results = [dict(stream=stream, share=None, phase="whole", s=base, gbps=run.useful / base / 1e9)]
     for share in run.args.shares:
         results += measure_share(run, stream, share, steps, calib, base)
-        # a table and its staging area hold each other: freed by the cycle collector, which must run before the next
-        # share's cold phase (maps still touched elsewhere keep their pages cached) and pinned staging (GPU memory)
-        gc.collect()
     return results
 
 

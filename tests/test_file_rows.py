@@ -3,7 +3,9 @@ looks up exactly what the whole table in host memory looks up, on checkpoints fr
 census-built release layouts (BF16, FP8, NVFP4); missing and truncated files fail at load, naming the file."""
 
 import dataclasses
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -105,11 +107,11 @@ def test_a_calibrated_start_fills_every_slot_the_budget_pays_for(checkpoints, sh
     local = ids.reshape(-1) - table.start
     assert torch.unique(local[(local >= 0) & (local < rows.n)]).numel() > rows.slots  # enough distinct rows
     table.fill_resident_rows(ids)
-    assert rows.resident_rows == rows.slots and "stay empty" not in rows.describe()
+    assert rows.filled == rows.slots and "stay empty" not in rows.describe()
     short = _tier(path, layer.table, share)
     rows = load_ple_layer(path, _layer_id(path), dataclasses.replace(storage, file_tier=short)).table.file_rows
     rows.fill(torch.tensor([table.start, table.start + 1]))
-    assert rows.resident_rows == 2 and f"{rows.slots - 2} slots stay empty" in rows.describe()
+    assert rows.filled == 2 and f"{rows.slots - 2} slots stay empty" in rows.describe()
 
 
 def test_a_missing_file_fails_at_load_naming_it(checkpoints, tmp_path):
@@ -154,6 +156,22 @@ def test_file_rows_do_not_hold_the_table(checkpoints):
     table = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole, 0.05))).table
     row = whole.nbytes // (whole.end - whole.start)
     assert table.nbytes == (table.file_rows.slots + 16) * row < whole.nbytes
+
+
+def test_a_file_tier_table_is_freed_when_dropped(checkpoints):
+    """Its maps and pinned staging go with its last reference, not when the cycle collector next runs: the tier
+    grows staging through the table without holding it. Fault: the tier holding the table's bound allocator."""
+    path = checkpoints["int8"]
+    whole = load_ple_layer(path, _layer_id(path), PLEStorage(host=True)).table
+    table = load_ple_layer(path, _layer_id(path), PLEStorage(host=True, file_tier=_tier(path, whole, 0.05))).table
+    table.lookup(_ids(table, 64, seed=3))  # staging (16 rows) grows
+    gone = weakref.ref(table), weakref.ref(table.file_rows.staging)
+    gc.disable()
+    try:
+        del table
+        assert [ref() for ref in gone] == [None, None]
+    finally:
+        gc.enable()
 
 
 

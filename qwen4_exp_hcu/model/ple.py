@@ -193,7 +193,7 @@ class PLEBlock(nn.Module, MambaBase):
         if self.file_calibration is not None:
             self.layer.table.fill_resident_rows(self.layer.calibration_ids(self.file_calibration))
         if (rows := self.layer.table.file_rows) is not None:  # a warning where the budget pays for empty slots
-            log = logger.warning if self.file_calibration is not None and rows.resident_rows < rows.slots else logger.info
+            log = logger.warning if self.file_calibration is not None and rows.filled < rows.slots else logger.info
             log("%s: %s", self.prefix, self.layer.table.describe())
 
     def table_report(self) -> dict:

@@ -8,6 +8,8 @@ into the final storage: no full-table temporary and no trip through the accelera
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from qwen4_exp_hcu.kernels import dispatch
@@ -42,6 +44,14 @@ def _file_rows(storage: PLEStorage, start: int, n: int, shard_rows: int, row_byt
         raise ValueError(f"PLE rows from files keep their resident rows in private 4 KiB host pages with their scales: "
                          f"not with {', '.join(excluded)}.")  # fmt: skip
     return FileRows(storage.file_tier, start, n, shard_rows, row_bytes, allocate)
+
+
+def _weakly(method):
+    """`method` called through a weak reference to its object: the file tier grows its staging through its table's
+    allocator, and a strong one would make table and tier a cycle that only the cycle collector frees (with the
+    table's maps and pinned staging)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def _validate_packed(fmt: TableFormat, packed: torch.Tensor, block_scale: torch.Tensor | None, rows: int, dim: int,
@@ -89,7 +99,7 @@ class PLETable:
         if storage.file_tier is None:
             self._allocate(end - start)
         else:
-            self.file_rows = _file_rows(storage, start, end - start, self.shard_rows, self.format.row_bytes(dim), self._allocate)
+            self.file_rows = _file_rows(storage, start, end - start, self.shard_rows, self.format.row_bytes(dim), _weakly(self._allocate))
         self._scale_name: str | None = None  # one fp32 scale for the whole table (`set_table_scale`)
         self.tensor_scale = (
             torch.full((1,), float("nan"), dtype=torch.float32, device=self.compute_device) if self.format.table_scale else None

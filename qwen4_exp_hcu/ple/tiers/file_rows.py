@@ -143,17 +143,12 @@ class FileRows(ResidentTier):
     def mapped(self, part: str) -> MappedRows:
         return MappedRows(self.shards, part, self.staging.buffers[part])
 
-    @property
-    def resident_rows(self) -> int:
-        """Slots holding a row: below `slots` while the calibration or the traffic so far named fewer rows."""
-        return int((self.slot_row >= 0).sum())
-
     def describe(self) -> str:
-        where = (f"{self.resident_rows}/{self.slots} rows resident ({self.refreshes} promotions, last "
+        where = (f"{self.filled}/{self.slots} rows resident ({self.refreshes} promotions, last "
                  f"served {self.share:.0%}), the rest read from {self.tier.files.directory}")  # fmt: skip
-        if not self.tier.refresh_every and self.resident_rows < self.slots:
+        if not self.tier.refresh_every and self.filled < self.slots:
             # calibrated rows stay put: slots the calibration did not name stay empty while serving
-            where += (f"; {self.slots - self.resident_rows} slots stay empty: the calibration holds fewer of this "
+            where += (f"; {self.slots - self.filled} slots stay empty: the calibration holds fewer of this "
                       f"rank's rows than the budget pays for (a longer token stream fills them)")  # fmt: skip
         stats = self.staging.host_stats()
         return where if not stats.calls else f"{where}; {stats.describe()}"

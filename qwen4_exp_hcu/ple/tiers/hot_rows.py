@@ -51,11 +51,6 @@ class HotRows(ResidentTier):
         """(row -> slot map, cached rows, their scales): what the lookup kernel reads."""
         return self.map, self.rows, self.row_scales
 
-    @property
-    def filled(self) -> int:
-        """Slots holding a row."""
-        return int((self.slot_row >= 0).sum())
-
     def describe(self) -> str:
         source = "served traffic" if self.counts is not None else "calibration"
         return (f"{self.filled}/{self.rows.shape[0]} hot rows from {source} "

@@ -76,13 +76,19 @@ class ResidentRows:
 
 
 class ResidentTier:
-    """A tier whose residency is a `ResidentRows` (`self.resident`): its promotion count and what it serves."""
+    """A tier whose residency is a `ResidentRows` (`self.resident`): its slots in use, its promotion count and what
+    it serves."""
 
     resident: ResidentRows
 
     @property
     def refreshes(self) -> int:
         return self.resident.refreshes
+
+    @property
+    def filled(self) -> int:
+        """Slots holding a row: below the slots while the calibration or the traffic so far named fewer rows."""
+        return int((self.resident.slot_row >= 0).sum())
 
     @property
     def share(self) -> float:
