@@ -19,7 +19,8 @@
 #                                  in order, none started after BUDGET s (default 420), all stopped at LIM s (default
 #                                  540); one JSON per test under benchmarks/results/gpu_suite/ -> $OUT/gpu_suite.tar
 #                                  (the folder, carried in again: untar it here, call again until "0 left"); the log ->
-#                                  $OUT/gpu_suite.log; MULTI=1: the multi_gpu tests too
+#                                  $OUT/gpu_suite.log; MULTI=1: the multi_gpu tests too; SUITE_ARGS: pytest's arguments
+#                                  (test files first: those files only, in that order)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 #   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (82 s; the
@@ -81,7 +82,7 @@ PY
   test) timeout "${LIM:-500}" python3 -m pytest -v -s -rfs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \
           | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
-  suite) timeout "${LIM:-540}" python3 tools/gpu_suite.py --budget-s "${BUDGET:-420}" ${MULTI:+--multi-gpu} 2>&1 \
+  suite) timeout "${LIM:-540}" python3 tools/gpu_suite.py --budget-s "${BUDGET:-420}" ${MULTI:+--multi-gpu} $SUITE_ARGS 2>&1 \
            | tee "$OUT/gpu_suite.log" | grep -av "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -"${TAIL:-40}"
          tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite ;;  # one file: $OUT returns 8 at most
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
