@@ -46,7 +46,7 @@ VARIANTS = {"": [], "state_fault": ["--fault"], "rows_fault": ["--rows-fault", s
             "emulated": ["--emulate-precision-casts"],
             "emulated_rows_fault": ["--emulate-precision-casts", "--rows-fault", str(ROW_ERROR)]}  # fmt: skip
 FAULT_RUN = ("breakable", True, "state_fault")
-ROWS_FAULT_MODES = ("eager", "breakable", "full_decode_only", "full_and_piecewise")  # the last with emulated casts
+ROWS_FAULT_MODES = ("eager", "breakable", "full_decode_only", "full_and_piecewise", "full_and_piecewise-emulated")
 COMPILED_MODES = ("full_and_piecewise", "piecewise")
 EXPECTED_CUDAGRAPH_MODE = {
     "breakable": "FULL_AND_PIECEWISE",  # vLLM's default mode, captured as breakable graphs
@@ -197,8 +197,10 @@ def tolerance(mode: str, variant: str = "") -> Tolerance:
 
 
 def rows_fault_run(mode: str) -> tuple:
-    """The row fault's engine for `mode`: compiled modes with eager's rounding, where `TINY` applies."""
-    return (mode, True, "emulated_rows_fault" if mode in COMPILED_MODES else "rows_fault")
+    """The row fault's engine for `mode` (a compiled mode under default Inductor, where `COMPILED` applies, or
+    `MODE-emulated`: with eager's rounding, where `TINY` applies)."""
+    mode, _, emulated = mode.partition("-")
+    return (mode, True, "emulated_rows_fault" if emulated else "rows_fault")
 
 
 def within_tolerance(report, tol: Tolerance) -> bool:
@@ -274,7 +276,7 @@ def test_rows_off_are_caught(mode, runs, reference, record):
     assert "error" not in result, result.get("error")
     report = compare(result, reference)
     print(summary(key, result, report, record))
-    assert not within_tolerance(report, tolerance(mode, key[2])), report
+    assert not within_tolerance(report, tolerance(*key[::2])), report
 
 
 @pytest.mark.parametrize("mode", COMPILED_MODES)
