@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
                                          [--shares 1 0.5 0.2 0.05] [--streams text zipf1.1 uniform] [--read-around]
+                                         [--phases cold cold_readahead warm]
                                          [--ask-pages-first never after_a_fault always] [--rounds 1]
                                          [--probe-reads 8192]
                                          [--hot-rows-share 0.01] [--dir /tmp/file-tier] [--out benchmarks/results]
@@ -24,6 +25,7 @@ Phases, each over the same steps:
   cold_readahead  (`--read-around`) the same with the maps as the file tier leaves them: a fault reads the kernel's
                   window around its page
   warm            the steps once untimed, then timed: their pages cached and mapped
+(`--phases`: those named, in this order.)
 `--ask-pages-first` (`FileTier.ask_pages_first`; default the tier's own): when a lookup asks the kernel for its
 misses' pages (`MADV_WILLNEED`) before copying them; several: one table each, measured in turn within every phase.
 `--rounds N` runs every phase of every table N times, interleaved (round, phase, table); each figure is then the
@@ -128,6 +130,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="shares of the table resident")
     ap.add_argument("--streams", nargs="+", choices=["text", "zipf1.1", "uniform"], help="token streams (default: all)")
     ap.add_argument("--read-around", action="store_true", help="also the cold_readahead phase")
+    ap.add_argument("--phases", nargs="+", choices=list(PHASES), help="only these phases")
     ap.add_argument("--ask-pages-first", nargs="+", choices=ASK_PAGES_FIRST, default=[ASK_FIRST],
                     help="when the file tier asks for a lookup's missing pages before copying them (several: each)")
     ap.add_argument("--rounds", type=int, default=1, help="every phase of every table, interleaved, this often")
@@ -158,6 +161,8 @@ class Setup:
 
     @property
     def phases(self) -> list[str]:
+        if self.args.phases:
+            return [p for p in PHASES if p in self.args.phases]
         return [p for p in PHASES if p != "cold_readahead" or self.args.read_around]
 
     def slots(self, share: float) -> int:
@@ -319,7 +324,8 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
                    f"--steps {args.steps} --calib-tokens {args.calib_tokens} --shares {' '.join(f'{s:g}' for s in args.shares)}"
                    + (f" --streams {' '.join(args.streams)}" if args.streams else "")
-                   + (" --read-around" if args.read_around else "") + f" --ask-pages-first {' '.join(args.ask_pages_first)}"
+                   + (" --read-around" if args.read_around else "") + (f" --phases {' '.join(args.phases)}" if args.phases else "")
+                   + f" --ask-pages-first {' '.join(args.ask_pages_first)}"
                    + f" --rounds {args.rounds} --probe-reads {args.probe_reads}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
                    + (f" --label {shlex.quote(args.label)}" if args.label else ""),
