@@ -355,8 +355,9 @@ def main() -> None:
 def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = ((lambda r: r["vs_whole"], "lookup speed vs whole table in host memory"),
+              (lambda r: r["staging_s"] * 1e3, "host side of a lookup (ms)"),
               (lambda r: r["page_cache_hits"], "page-cache hits of the misses' pages"),
               (lambda r: r["drive_read_bytes"] / r["needed_bytes"] if r["needed_bytes"] else None,
                "drive bytes read per byte of the misses' pages"))  # fmt: skip
@@ -375,8 +376,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel("table resident in host memory (%)")
         ax.set_ylabel(label)
     axes[0].set_yscale("log")
-    axes[2].set_yscale("symlog", linthresh=1)
-    axes[2].set_ylim(bottom=0)
+    axes[1].set_yscale("log")
+    axes[3].set_yscale("symlog", linthresh=1)
+    axes[3].set_ylim(bottom=0)
     axes[0].set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.2f} GB INT8 table, {report['tokens_per_step']} tokens/step")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
