@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_file_tier [--table-gb 2] [--tokens 256] [--steps 64] [--calib-tokens 131072]
                                          [--shares 1 0.5 0.2 0.05] [--streams text zipf1.1 uniform] [--read-around]
+                                         [--phases cold cold_readahead warm]
+                                         [--ask-pages-first never after_a_fault always] [--rounds 1]
                                          [--probe-reads 8192]
                                          [--hot-rows-share 0.01] [--dir /tmp/file-tier] [--out benchmarks/results]
 
@@ -23,6 +25,13 @@ Phases, each over the same steps:
   cold_readahead  (`--read-around`) the same with the maps as the file tier leaves them: a fault reads the kernel's
                   window around its page
   warm            the steps once untimed, then timed: their pages cached and mapped
+(`--phases`: those named, in this order.)
+`--ask-pages-first` (`FileTier.ask_pages_first`; default the tier's own): when a lookup asks the kernel for its
+misses' pages (`MADV_WILLNEED`) before copying them; several: one table each, measured in turn within every phase.
+`--rounds N` runs every phase of every table N times, interleaved (round, phase, table); each figure is then the
+median of its rounds, with their min and max. Where pages were asked for first, a fault finds them read or in
+flight, so the major faults (and the hit rate from them) no longer count the drive's reads: its bytes do;
+`pages_asked` gives the pages a lookup asked for.
 Reported per phase: ms per lookup (each lookup waited for; the drops are not timed), GB/s of useful bytes (row +
 scale per token and head), the ratio to the whole table, the host side alone (ids to the host + rows from the files
 into staging, timed in the same phase), the share of ids served by resident rows, and the page cache: the pages the
@@ -42,9 +51,11 @@ import argparse
 import os
 import platform
 import shlex
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +67,7 @@ from benchmarks.page_cache import (IOCount, cache_report, drop_mapped, mapped_re
                                    read_around)  # fmt: skip
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileTier, resident_slots
+from qwen4_exp_hcu.ple.tiers.stager import ASK_PAGES_FIRST
 from qwen4_exp_hcu.ple.hashing import NgramHashSpec, ngram_ids
 from qwen4_exp_hcu.ple.storage import PLEStorage
 from qwen4_exp_hcu.ple.table import PLETable
@@ -64,6 +76,7 @@ SHARES = (1.0, 0.5, 0.2, 0.05)
 # phase -> (the files' pages dropped before every lookup, the maps' read-around on)
 PHASES = {"cold": (True, False), "cold_readahead": (True, True), "warm": (False, True)}
 PROBE_DEPTHS = (1, 16)  # reads in flight: one (a fault's) and enough to show the drive's parallel rate
+ASK_FIRST = FileTier.__dataclass_fields__["ask_pages_first"].default  # the tier's own
 
 
 def waiter(ids: torch.Tensor):
@@ -117,6 +130,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="shares of the table resident")
     ap.add_argument("--streams", nargs="+", choices=["text", "zipf1.1", "uniform"], help="token streams (default: all)")
     ap.add_argument("--read-around", action="store_true", help="also the cold_readahead phase")
+    ap.add_argument("--phases", nargs="+", choices=list(PHASES), help="only these phases")
+    ap.add_argument("--ask-pages-first", nargs="+", choices=ASK_PAGES_FIRST, default=[ASK_FIRST],
+                    help="when the file tier asks for a lookup's missing pages before copying them (several: each)")
+    ap.add_argument("--rounds", type=int, default=1, help="every phase of every table, interleaved, this often")
     ap.add_argument("--probe-reads", type=int, default=8192, help="4 KiB reads of the drive probe (0: none)")
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
     ap.add_argument("--label", help="what the JSON says the machine and its drive are")
@@ -144,6 +161,8 @@ class Setup:
 
     @property
     def phases(self) -> list[str]:
+        if self.args.phases:
+            return [p for p in PHASES if p in self.args.phases]
         return [p for p in PHASES if p != "cold_readahead" or self.args.read_around]
 
     def slots(self, share: float) -> int:
@@ -190,59 +209,86 @@ def calibration(run: Setup, stream: str, tokens: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def file_tier_table(run: Setup, share: float, calibration: torch.Tensor) -> tuple[PLETable, float]:
-    """The table with `share` of its bytes resident and the rest read from the files, its resident rows (and, with
-    `--hot-rows-share`, a GPU hot-row cache in front) chosen from `calibration`; and the share of the calibration's
-    ids the resident rows serve."""
+def file_tier_table(run: Setup, share: float, calibration: torch.Tensor, ask_first: str) -> tuple[PLETable, float]:
+    """The table with `share` of its bytes resident and the rest read from the files (`ask_first`: its pages asked
+    for first), its resident rows (and, with `--hot-rows-share`, a GPU hot-row cache in front) chosen from
+    `calibration`; and the share of the calibration's ids the resident rows serve."""
     tier = FileTier(CheckpointFiles(run.directory), int(share * run.whole.nbytes), refresh_every=0,
-                    staging_rows=run.args.tokens * HEADS)  # fmt: skip
+                    staging_rows=run.args.tokens * HEADS, ask_pages_first=ask_first)  # fmt: skip
     table = run.table(PLEStorage("int8", device=run.device, host=True, file_tier=tier))
     if run.args.hot_rows_share:  # the GPU cache takes the most frequent rows; host memory the next ones
         table.enable_hot_rows(max(1, int(run.args.hot_rows_share * run.spec.rows))).fill(calibration)
     return table, table.fill_resident_rows(calibration)
 
 
-def measure_phase(table: PLETable, steps: list[torch.Tensor], phase: str, pages: int) -> dict:
-    """The steps' lookups, and their host side alone, in one phase (`PHASES`); `pages`: the pages their misses touch
-    (every lookup's own, as a cold phase drops them before each)."""
+def measure_phase(table: PLETable, steps: list[torch.Tensor], phase: str, drop: Callable[[], None]) -> dict:
+    """One round of the steps' lookups, and of their host side alone, in one phase (`PHASES`); `drop()` forgets the
+    files' pages (every table's maps of them), untimed, before each lookup of a cold phase."""
     cold, around = PHASES[phase]
-    shards = table.file_rows.shards
-    drop = (lambda: drop_mapped(shards)) if cold else None
+    shards, area = table.file_rows.shards, table.file_rows.staging
     read_around(shards, around)
     try:
         if not cold:
             each_step(steps, table.lookup)  # the steps' pages cached and mapped
-        before = IOCount.now()
-        seconds = each_step(steps, table.lookup, drop)
-        count = IOCount.now() - before
-        return {"s": seconds, "staging_s": each_step(steps, staging(table), drop), **cache_report(count, pages)}
+        before, asked = IOCount.now(), area.pages_asked
+        seconds = each_step(steps, table.lookup, drop if cold else None)
+        count, asked = IOCount.now() - before, (area.pages_asked - asked) / len(steps)
+        return {"s": seconds, "staging_s": each_step(steps, staging(table), drop if cold else None), "io": count,
+                "pages_asked": asked}  # fmt: skip
     finally:
         read_around(shards, True)
 
 
+def summary(rounds: list[dict], pages: int) -> dict:
+    """A phase's rounds: seconds as the median with min, max and every round; the drive's reads of the median round
+    against `pages`, the pages the misses touch."""
+    s, staged = [r["s"] for r in rounds], [r["staging_s"] for r in rounds]
+    io = IOCount(statistics.median_low(r["io"].read_bytes for r in rounds),
+                 statistics.median_low(r["io"].major_faults for r in rounds))  # fmt: skip
+    return {"s": statistics.median(s), "s_min": min(s), "s_max": max(s), "s_rounds": s,
+            "staging_s": statistics.median(staged), "staging_s_min": min(staged), "staging_s_max": max(staged),
+            "staging_s_rounds": staged, "pages_asked": statistics.median(r["pages_asked"] for r in rounds),
+            **cache_report(io, pages)}  # fmt: skip
+
+
 def measure_share(run: Setup, stream: str, share: float, steps: list[torch.Tensor], calibration: torch.Tensor,
                   base: float) -> list[dict]:  # fmt: skip
-    """The lookups of `steps` with `share` of the table resident in every phase, checked against the whole table;
-    `base`: the whole table's seconds per lookup."""
-    table, served = file_tier_table(run, share, calibration)
+    """The lookups of `steps` with `share` of the table resident, one table per `--ask-pages-first`,
+    checked against the whole table; every phase and variant in turn for `--rounds` rounds; `base`: the whole
+    table's seconds per lookup."""
+    tables = {ask: file_tier_table(run, share, calibration, ask) for ask in run.args.ask_pages_first}
+    table, served = next(iter(tables.values()))
     rows = table.file_rows
     ids = torch.stack(steps).reshape(-1)
     hits = float((torch.from_numpy(rows.slot_of)[ids.cpu() - table.start] >= 0).float().mean())
     gpu_hits = float((table.hot.slots_of(ids) >= 0).float().mean()) if table.hot else 0.0
-    assert all(torch.equal(table.lookup(s), run.whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
+    for t, _ in tables.values():
+        assert all(torch.equal(t.lookup(s), run.whole.lookup(s)) for s in steps[:4]), "file tier lookups differ"
     pages = sum(pages_needed(rows.shards, misses(table, s)) for s in steps)
+    drop = partial(drop_mapped, *(t.file_rows.shards for t, _ in tables.values()))
+    rounds = {(phase, ask): [] for phase in run.phases for ask in tables}
+    for _ in range(run.args.rounds):
+        for phase, ask in rounds:  # phase by phase, the tables in turn within each
+            rounds[phase, ask].append(measure_phase(tables[ask][0], steps, phase, drop))
     results = []
-    for phase in run.phases:
-        m = measure_phase(table, steps, phase, pages)
-        results.append(dict(stream=stream, share=share, phase=phase, **m, gbps=run.useful / m["s"] / 1e9,
+    for (phase, ask), measured in rounds.items():
+        m = summary(measured, pages)
+        results.append(dict(stream=stream, share=share, phase=phase, ask_pages_first=ask, **m, gbps=run.useful / m["s"] / 1e9,
                             vs_whole=base / m["s"], resident_hits=hits, calibration_served=served,
                             resident_rows=rows.filled, slots=rows.slots, hot_rows=run.args.hot_rows_share,
                             gpu_hits=gpu_hits))  # fmt: skip
-        print(f"{stream:8} {share:4.0%} resident {phase:14} {m['s'] * 1e3:8.3f} ms  {base / m['s']:5.2f}x whole  "
-              f"host staging {m['staging_s'] * 1e3:.3f} ms  hits {hits:.0%} (+ GPU {gpu_hits:.0%})  page cache hits "
-              f"{m['page_cache_hits']:.0%} of {m['pages_needed']} pages, drive {m['drive_read_bytes'] / 2**20:.1f} MiB  "
-              f"resident {rows.filled}/{rows.slots} rows", flush=True)  # fmt: skip
+        print(describe(results[-1], base), flush=True)
     return results
+
+
+def describe(r: dict, base: float) -> str:
+    """One line of a measured phase."""
+    rounds = f" ({r['s_min'] * 1e3:.3f}-{r['s_max'] * 1e3:.3f})" if len(r["s_rounds"]) > 1 else ""
+    return (f"{r['stream']:8} {r['share']:4.0%} resident {r['phase']:14} ask {r['ask_pages_first']:13} "
+            f"{r['s'] * 1e3:8.3f} ms{rounds}  {base / r['s']:5.2f}x whole  host staging {r['staging_s'] * 1e3:.3f} ms  "
+            f"hits {r['resident_hits']:.0%} (+ GPU {r['gpu_hits']:.0%})  page cache hits {r['page_cache_hits']:.0%} of "
+            f"{r['pages_needed']} pages, drive {r['drive_read_bytes'] / 2**20:.1f} MiB, {r['pages_asked']:.0f} pages asked a "
+            f"lookup  resident {r['resident_rows']}/{r['slots']} rows")  # fmt: skip
 
 
 def measure_stream(run: Setup, stream: str, tokens: torch.Tensor) -> list[dict]:
@@ -278,7 +324,9 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
         "command": f"python -m benchmarks.bench_file_tier --table-gb {args.table_gb:g} --tokens {args.tokens} "
                    f"--steps {args.steps} --calib-tokens {args.calib_tokens} --shares {' '.join(f'{s:g}' for s in args.shares)}"
                    + (f" --streams {' '.join(args.streams)}" if args.streams else "")
-                   + (" --read-around" if args.read_around else "") + f" --probe-reads {args.probe_reads}"
+                   + (" --read-around" if args.read_around else "") + (f" --phases {' '.join(args.phases)}" if args.phases else "")
+                   + f" --ask-pages-first {' '.join(args.ask_pages_first)}"
+                   + f" --rounds {args.rounds} --probe-reads {args.probe_reads}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
                    + (f" --label {shlex.quote(args.label)}" if args.label else ""),
         "commit": commit(),
@@ -286,7 +334,7 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
                     "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                     "files": str(run.directory), **({"label": args.label} if args.label else {})},
         "table": {"rows": run.spec.rows, "heads": HEADS, "dim": DIM, "bytes": run.whole.nbytes, "shards": SHARDS},
-        "tokens_per_step": args.tokens, "steps": args.steps, "phases": {p: dict(zip(("drop_before_each_lookup", "read_around"), PHASES[p])) for p in run.phases},
+        "tokens_per_step": args.tokens, "steps": args.steps, "rounds": args.rounds, "phases": {p: dict(zip(("drop_before_each_lookup", "read_around"), PHASES[p])) for p in run.phases},
         "calibration": run.calibrations, "drive": drive, "results": results,
     }  # fmt: skip
 
@@ -307,27 +355,30 @@ def main() -> None:
 def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = ((lambda r: r["vs_whole"], "lookup speed vs whole table in host memory"),
+              (lambda r: r["staging_s"] * 1e3, "host side of a lookup (ms)"),
               (lambda r: r["page_cache_hits"], "page-cache hits of the misses' pages"),
               (lambda r: r["drive_read_bytes"] / r["needed_bytes"] if r["needed_bytes"] else None,
                "drive bytes read per byte of the misses' pages"))  # fmt: skip
     styles = {"warm": "-o", "cold": "--x", "cold_readahead": ":+"}
-    for stream in dict.fromkeys(r["stream"] for r in report["results"]):
+    tiered = [r for r in report["results"] if r["phase"] != "whole"]
+    for stream, ask in dict.fromkeys((r["stream"], r["ask_pages_first"]) for r in tiered):
         for phase, style in styles.items():
-            runs = [r for r in report["results"] if r["stream"] == stream and r["phase"] == phase]
+            runs = [r for r in tiered if (r["stream"], r["ask_pages_first"], r["phase"]) == (stream, ask, phase)]
             for ax, (value, _) in zip(axes, panels):
                 pts = [(r["share"] * 100, value(r)) for r in runs if value(r) is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, label=f"{stream}, {phase}")
+                    ax.plot(*zip(*pts), style, label=f"{stream}, {phase}, ask {ask}")
     axes[0].axhline(1.0, color="gray", lw=0.8)
     for ax, (_, label) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("table resident in host memory (%)")
         ax.set_ylabel(label)
     axes[0].set_yscale("log")
-    axes[2].set_yscale("symlog", linthresh=1)
-    axes[2].set_ylim(bottom=0)
+    axes[1].set_yscale("log")
+    axes[3].set_yscale("symlog", linthresh=1)
+    axes[3].set_ylim(bottom=0)
     axes[0].set_title(f"PLE rows from files, {report['table']['bytes'] / 1e9:.2f} GB INT8 table, {report['tokens_per_step']} tokens/step")
     axes[0].legend(fontsize=7)
     fig.tight_layout()

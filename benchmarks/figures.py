@@ -224,29 +224,50 @@ def file_tier(share: float, docs: list[dict]) -> Cells:
                  "—", f"the whole table pinned: {whole} ms a lookup")
 
 
-def file_tier_cold(share: float, docs: list[dict]) -> Cells:
-    """Lookups through the file tier whose misses read the drive, against the drive's own random-read rates."""
-    doc = docs[0]
-    runs, steps = doc["results"], doc["steps"]
+def asking(docs: list[dict], phase: str) -> list[tuple[str, dict[str, dict]]]:
+    """`bench_file_tier --ask-pages-first` runs of one phase: (share and stream, `ask_pages_first` -> its result),
+    budgets largest first."""
+    runs = [r for r in docs[0]["results"] if r["phase"] == phase]
+    keys = dict.fromkeys((r["share"], r["stream"]) for r in sorted(runs, key=lambda r: -r["share"]))
+    return [(f"{percent(share)} {STREAMS[stream]}",
+             {r["ask_pages_first"]: r for r in runs if (r["share"], r["stream"]) == (share, stream)})
+            for share, stream in keys]  # fmt: skip
 
-    def at(stream, phase):
-        return next(r for r in runs if r["stream"] == stream and r["share"] == share and r["phase"] == phase)
 
-    streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
-    cold = " / ".join(num(1e3 * at(s, "cold")["s"], 1) for s in streams)
-    rate = " / ".join(f"{at(s, 'cold')['pages_needed'] / steps / at(s, 'cold')['s'] / 1e3:.1f} k" for s in streams)
-    hits = " / ".join(percent(at(s, "cold")["page_cache_hits"]) for s in streams)
-    warm = " / ".join(num(1e3 * at(s, "warm")["s"], 2) for s in streams)
-    around = " / ".join(num(1e3 * at(s, "cold_readahead")["s"], 1) for s in streams)
-    read = " / ".join(num(at(s, "cold_readahead")["drive_read_bytes"] / steps / 1e6, 0) for s in streams)
-    d = doc["drive"]
-    return Cells(f"{' / '.join(STREAMS[s] for s in streams)}: **{cold} ms** a lookup, every miss read from the drive "
-                 f"(page-cache hits {hits}; {rate} pages/s); warm {warm} ms; with the kernel's read-around {around} ms, "
-                 f"reading {read} MB a lookup; 1 round", "—",
-                 f"the drive, 4 KiB random reads: {d['qd1']['iops'] / 1e3:.1f} k IOPS one at a time, "
-                 f"{d['qd16']['iops'] / 1e3:.1f} k 16 at a time (O_DIRECT); through the maps "
-                 f"{d['mapped']['pages_per_s'] / 1e3:.1f} k pages/s a fault at a time, "
-                 f"{d['mapped_willneed']['pages_per_s'] / 1e3:.1f} k asked for first (`MADV_WILLNEED`)")
+def ms(run: dict, field: str = "s") -> list[float]:
+    return [1e3 * x for x in run[f"{field}_rounds"]]
+
+
+def file_tier_asked_cold(phase: str, docs: list[dict]) -> Cells:
+    """The host side of lookups whose misses read the drive (the rows into staging: the CPU's torch lookup after it
+    shares the cores with whatever else runs), their pages asked for first once a copy faulted against faulted in
+    one at a time: ms a lookup, and the rounds' speed-ups (the variants ran in turn within each round); with the
+    kernel's read-around on, the bytes each reads from the drive."""
+    cells, drive, steps = [], [], docs[0]["steps"]
+    for label, ask in asking(docs, phase):
+        never, after = ms(ask["never"], "staging_s"), ms(ask["after_a_fault"], "staging_s")
+        gain = [a / b for a, b in zip(never, after)]
+        cells.append(f"{label} {spread(after, 1)} against {spread(never, 1)} ms, **{spread(gain, 1)}×**")
+        drive.append(f"{label} " + " / ".join(num(ask[a]["drive_read_bytes"] / steps / 1e6, 0) for a in ("after_a_fault", "never")))
+    d = docs[0]["drive"]
+    limit = (f"MB read from the drive a lookup, asked / faulted: {', '.join(drive)}" if PHASES_AROUND[phase] else
+             f"the drive, 4 KiB random reads: {d['qd1']['iops'] / 1e3:.1f} k IOPS one at a time, {d['qd16']['iops'] / 1e3:.1f} k "
+             f"16 at a time (O_DIRECT); through the maps {d['mapped']['pages_per_s'] / 1e3:.1f} k pages/s a fault at a "
+             f"time, {d['mapped_willneed']['pages_per_s'] / 1e3:.1f} k asked for first")  # fmt: skip
+    return Cells(f"{'; '.join(cells)}; {rounds(docs[0]['rounds'])}", "—", limit)
+
+
+def file_tier_asked_warm(docs: list[dict]) -> Cells:
+    """The host side of a lookup whose pages are cached, asked for after a fault (none comes) and always, over
+    never's (the rounds' ratios)."""
+    cells, pages = [], []
+    for label, ask in asking(docs, "warm"):
+        never = ms(ask["never"], "staging_s")
+        after, always = ([a / b for a, b in zip(ms(ask[k], "staging_s"), never)] for k in ("after_a_fault", "always"))
+        cells.append(f"{label} {spread(never, 2)} ms; after a fault **{spread(after, 2)}×** that, always {spread(always, 1)}×")
+        pages.append(f"{label} {num(ask['always']['pages_asked'], 0)}")
+    return Cells(f"{'; '.join(cells)}; {rounds(docs[0]['rounds'])}", "—",
+                 f"pages \"always\" asks for a lookup: {', '.join(pages)}")
 
 
 def promotions(docs: list[dict]) -> Cells:
@@ -421,6 +442,9 @@ def suite(docs: list[dict]) -> Cells:
 S30 = "serve_release_breakable_session30/"
 SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one commit on vLLM 0.34
 FDO22 = "serve_release_files_fdo_session22/"
+WILLNEED = "file_tier_cpu_willneed/file_tier_cpu.json"
+WILLNEED_WARM = "file_tier_cpu_willneed_warm/file_tier_cpu.json"
+PHASES_AROUND = {"cold": False, "cold_readahead": True}  # bench_file_tier's cold phases: the maps' read-around on
 DEFAULT = "fused, sorted ids (ours, default)"  # bench_lookup's name for the library's path
 OURS_VS_VLLM = partial(serve_decode, "host_int8", "vllm_host_fp8")
 PARITY, LIBRARY = "≥ 1.0× (target)", "1.0×: the library's path"
@@ -478,8 +502,14 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             partial(serve_bytes, "host_int8_files20@text", "host_int8@text", "ple_host"), "0.2× (the budget)"),
         Row("one lookup alone, 20 % resident (8 GB table, 256 tokens × 16 heads, C host node)",
             ("file_tier_session22/file_tier_cuda.json",), partial(file_tier, 0.2)),
-        Row("lookups whose misses read the drive, 20 % resident (0.25 GB table, 256 tokens × 16 heads; CPU, the files "
-            "on its virtual disk)", ("file_tier_cpu_cold/file_tier_cpu.json",), partial(file_tier_cold, 0.2)),
+        Row("the host side of lookups whose misses read the drive, their pages asked for first after a fault / faulted in "
+            "one at a time (`ask_pages_first`; 0.25 GB table, 256 tokens × 16 heads; CPU, its virtual disk; read-around off)",
+            (WILLNEED,), partial(file_tier_asked_cold, "cold")),
+        Row("the same with the kernel's read-around on, as the tier maps its files", (WILLNEED,),
+            partial(file_tier_asked_cold, "cold_readahead")),
+        Row("the host side of a lookup whose pages are cached, never asking for them, and asking after a fault (none "
+            "comes) or always, over never's",
+            (WILLNEED_WARM,), file_tier_asked_warm),
         Row("promotion stall: the slowest lookup that promotes rows (2 GB table, 20 % resident, CPU)",
             ("file_promotions.json",), promotions),
         Row("a promotion's callback into Python beside a busy Python thread (CPU)",

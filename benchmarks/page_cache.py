@@ -32,12 +32,14 @@ def _maps(shards: MappedShards) -> list[np.memmap]:
     return [m for parts in shards.maps.values() for m in parts.values()]
 
 
-def drop_mapped(shards: MappedShards) -> None:
-    """Forget every page of the shards' files: unmapped from this process, then dropped from the page cache, so the
-    next read of each row reads the drive. (`np.memmap` keeps its `mmap.mmap` as `_mmap`: madvise needs it.)"""
-    for m in _maps(shards):
+def drop_mapped(*shards: MappedShards) -> None:
+    """Forget every page of the shards' files: unmapped from this process (every table's maps of them: a page one
+    still maps stays cached), then dropped from the page cache, so the next read of each row reads the drive.
+    (`np.memmap` keeps its `mmap.mmap` as `_mmap`: madvise needs it.)"""
+    maps = [m for s in shards for m in _maps(s)]
+    for m in maps:
         m._mmap.madvise(mmap.MADV_DONTNEED)
-    for path in {m.filename for m in _maps(shards)}:
+    for path in {m.filename for m in maps}:
         drop_page_cache(path)
 
 

@@ -1,7 +1,8 @@
 """`benchmarks/bench_file_tier.py` on a small table (CPU): every stream, budget and phase is reported against the
 whole table, the lookups checked exact on the way; the calibration grows until every budget binds (resident rows ==
-slots); the cold phase's misses read the drive (its page-cache hit rate below the warm phase's, on files just
-written); and the drive probe (`benchmarks.page_cache`) reports sane fields."""
+slots); the cold phase's misses read the drive (faulted in: its page-cache hit rate below the warm phase's, on files
+just written; asked for after a fault: pages asked for, none warm); every phase of both tables measured for each
+round; and the drive probe (`benchmarks.page_cache`) reports sane fields."""
 
 import json
 import sys
@@ -16,22 +17,30 @@ from benchmarks import bench_file_tier, page_cache
 def test_the_benchmark_reports_every_budget_filled_and_the_cold_reads(tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["bench", "--table-gb", "0.01", "--steps", "2", "--tokens", "16", "--calib-tokens",
-                                      "2048", "--probe-reads", "64", "--dir", str(tmp_path / "t"), "--out", str(out)])  # fmt: skip
+                                      "2048", "--probe-reads", "64", "--ask-pages-first", "never", "after_a_fault",
+                                      "--rounds", "2", "--dir", str(tmp_path / "t"), "--out", str(out)])  # fmt: skip
     bench_file_tier.main()
     report = json.loads((out / "file_tier_cpu.json").read_text())
     tiered = [r for r in report["results"] if r["phase"] != "whole"]
-    assert {(r["stream"], r["share"], r["phase"]) for r in tiered} == {
-        (s, share, p) for s in ("uniform", "zipf1.1", "text") for share in bench_file_tier.SHARES for p in ("cold", "warm")
+    assert {(r["stream"], r["share"], r["phase"], r["ask_pages_first"]) for r in tiered} == {
+        (s, share, p, a) for s in ("uniform", "zipf1.1", "text") for share in bench_file_tier.SHARES for p in ("cold", "warm")
+        for a in ("never", "after_a_fault")
     }
+    assert all(len(r["s_rounds"]) == 2 and r["s_min"] <= r["s"] <= r["s_max"] for r in tiered)
     # 2 048 tokens hold fewer rows than the 50 % budget's slots: uniform filler makes up the rest, so every budget binds
     assert all(c["distinct_rows"] >= c["rows_needed"] > 0 and c["uniform_filler_tokens"] > 0 for c in report["calibration"].values())
     assert all(r["resident_rows"] == r["slots"] > 0 and r["vs_whole"] > 0 for r in tiered)
     full = [r for r in tiered if r["share"] == 1.0]
     assert all(r["resident_hits"] == 1.0 and r["pages_needed"] == 0 for r in full)
     for partial in (r for r in tiered if r["share"] < 1 and r["phase"] == "cold"):
-        warm = next(r for r in tiered if r["phase"] == "warm" and (r["stream"], r["share"]) == (partial["stream"], partial["share"]))
-        assert partial["pages_needed"] == warm["pages_needed"] > 0
-        assert partial["major_faults"] > 0 and partial["page_cache_hits"] < warm["page_cache_hits"], (partial, warm)
+        key = (partial["stream"], partial["share"], partial["ask_pages_first"])
+        warm = next(r for r in tiered if r["phase"] == "warm" and (r["stream"], r["share"], r["ask_pages_first"]) == key)
+        assert partial["pages_needed"] == warm["pages_needed"] > 0 and partial["drive_read_bytes"] > 0
+        if partial["ask_pages_first"] == "never":
+            assert partial["major_faults"] > 0 and partial["page_cache_hits"] < warm["page_cache_hits"], (partial, warm)
+            assert partial["pages_asked"] == 0
+        else:  # the first rows of a lookup fault, then the rest are asked for; cached, nothing is
+            assert partial["major_faults"] > 0 and partial["pages_asked"] > 0 and warm["pages_asked"] == 0, (partial, warm)
     assert report["commit"] and report["drive"]["qd1"]["depth"] == 1 and report["drive"]["qd16"]["depth"] == 16
     assert (out / "file_tier_cpu.png").exists()
 

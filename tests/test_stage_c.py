@@ -1,15 +1,23 @@
 """`ple/tiers/stage.c`, the file tier's per-lookup host work, against its numpy oracle (the same work in
 Python): on a checkpoint of several shard files with two parts of different row bytes, an owned range that starts
 inside a shard, unowned ids, hot-row flags, promotions with and without a cap, and staging that grows mid-run, every
-lookup maps ids to the same bytes, and the counts, candidates, promotions and resident slots stay identical.
+lookup maps ids to the same bytes, and the counts, candidates, promotions and resident slots stay identical, whether
+the misses' pages are asked for first or not (`FileTier.ask_pages_first`); asked for after a fault, they are asked
+for where the files' pages were dropped, and not where they are cached.
 Promotions see their candidates sorted in both (numpy handed them over sorted, C in first-read order; which row
 wins a tie at the cutoff is arbitrary)."""
+
+import ctypes
+import mmap
+import os
+import resource
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from qwen4_exp_hcu.ple.tiers import stager
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileRows, FileTier
 
@@ -103,10 +111,11 @@ CASES = {  # rows, shard_rows, start, n, slots, refresh_every, promote_rows, sta
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("seed", range(2))
-def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
+@pytest.mark.parametrize("ask", stager.ASK_PAGES_FIRST)
+def test_the_c_host_function_matches_numpy(tmp_path, case, seed, ask):
     total, shard_rows, start, n, slots, every, limit, staging, max_tokens = CASES[case]
     table = _checkpoint(tmp_path, total, shard_rows, seed)
-    tier = dict(refresh_every=every, promote_rows=limit, staging_rows=staging)
+    tier = dict(refresh_every=every, promote_rows=limit, staging_rows=staging, ask_pages_first=ask)
     ours, oracle = _rows(tmp_path, start, n, shard_rows, slots, **tier), _Oracle(_rows(tmp_path, start, n, shard_rows, slots, **tier))
     rng = np.random.default_rng(seed)
     hot = rng.integers(start, start + n, 12)
@@ -137,6 +146,62 @@ def test_the_c_host_function_matches_numpy(tmp_path, case, seed):
             assert set(_candidates(ours).tolist()) == set(np.concatenate(oracle.counted).tolist() if oracle.counted else []), step
             assert ours.staging.state.lookups == oracle.lookups, step
     assert ours.staging.host_stats().calls == 60
+    # "always" asks for every miss's pages (here the files' pages are cached: "after_a_fault" finds no fault)
+    assert (ours.staging.pages_asked > 0) == (ask == "always" and slots < n)
+
+
+def _major_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def _drop_cached_pages(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _drops_reach_the_drive(path) -> bool:
+    """Whether a page of `path` dropped from the page cache is read from the drive when next touched (a major fault);
+    not on a file system that keeps every page in memory (tmpfs)."""
+    _drop_cached_pages(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        before = _major_faults()
+        m[0]
+        return _major_faults() > before
+
+
+def test_after_a_fault_the_rest_of_the_pages_are_asked_for(tmp_path):
+    """The files' pages dropped: the first copy faults, the lookup asks for the rest of its misses' pages, and the
+    rows are exact. Looked up again, the pages are cached: nothing is asked."""
+    table = _checkpoint(tmp_path, 3000, 700, 0)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    if not _drops_reach_the_drive(files[0]):
+        pytest.skip(f"{tmp_path}'s file system keeps dropped pages in memory: no read reaches the drive")
+    rows = _rows(tmp_path, 900, 1500, 700, 0, refresh_every=0, staging_rows=64)
+    ids = np.arange(900, 2400, 25, dtype=np.int64)  # 60 rows, several a page, over 3 shards
+    for f in files:
+        _drop_cached_pages(f)
+    before = _major_faults()
+    got = rows.stage(torch.from_numpy(ids)).numpy()
+    faults, asked = _major_faults() - before, rows.staging.pages_asked
+    for part, want in table.items():
+        assert np.array_equal(rows.staging.bytes[part][got], want[ids]), part
+    assert 0 < faults < 2 * ids.size and asked > 0, (faults, asked)
+    assert "pages asked for first" in rows.describe()
+    rows.stage(torch.from_numpy(ids))
+    assert rows.staging.pages_asked == asked
+
+
+def test_the_stager_mirror_lists_every_field():
+    assert stager.library().qwen4_ple_stager_bytes() == ctypes.sizeof(stager.Stager)
+
+
+def test_an_unknown_ask_pages_first_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="ask_pages_first is one of never, after_a_fault, always, not 'sometimes'"):
+        FileTier(None, 0, ask_pages_first="sometimes")
 
 
 @pytest.mark.parametrize("cap", [1, 7, 33])

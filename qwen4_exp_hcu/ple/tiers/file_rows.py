@@ -24,6 +24,7 @@ import torch
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles, MappedRows, MappedShards
 from qwen4_exp_hcu.ple.tiers.host_call import guarded
 from qwen4_exp_hcu.ple.tiers.resident_rows import REFRESH_EVERY, ResidentRows, ResidentTier, calibration_counts
+from qwen4_exp_hcu.ple.tiers.stager import ASK_PAGES_FIRST
 from qwen4_exp_hcu.ple.tiers.staging import StagingArea, miss_table_entries
 
 PROMOTE_ROWS = 4096  # newcomers a traffic promotion reads from the files at most (the most read first)
@@ -44,6 +45,14 @@ class FileTier:
     refresh_every: int = REFRESH_EVERY  # 0: resident rows only from calibration (`fill`)
     promote_rows: int | None = PROMOTE_ROWS  # a promotion runs inside a lookup: its file reads (a page fault per row) stall it; None: no cap
     staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
+    # when a lookup asks the kernel for its missing rows' pages (`MADV_WILLNEED`) before copying them, so that reads
+    # of pages the page cache lacks are queued together, not faulted in one at a time: "after_a_fault" (once its
+    # copies read the drive), "always" (a syscall a row and part, also for cached pages) or "never" (`stage.c`)
+    ask_pages_first: str = "after_a_fault"
+
+    def __post_init__(self) -> None:
+        if self.ask_pages_first not in ASK_PAGES_FIRST:
+            raise ValueError(f"FileTier.ask_pages_first is one of {', '.join(ASK_PAGES_FIRST)}, not {self.ask_pages_first!r}.")
 
 
 def excluded_settings(storage) -> list[str]:
@@ -67,6 +76,7 @@ class FileRows(ResidentTier):
         state = self.staging.state  # the host function's view of the table (`stage.c`)
         state.start, state.n, state.shard_rows, state.slot_of = start, n, shard_rows, self.slot_of.ctypes.data
         state.first_shard, state.n_parts, state.src = self.shards.first, self.shards.src.shape[1], self.shards.src.ctypes.data
+        state.ask_first = ASK_PAGES_FIRST.index(tier.ask_pages_first)
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
         if self.counts is not None:
             # the host function counts each lookup's rows, and every `refresh_every` lookups calls
@@ -151,7 +161,10 @@ class FileRows(ResidentTier):
             where += (f"; {self.slots - self.filled} slots stay empty: the calibration holds fewer of this "
                       f"rank's rows than the budget pays for (a longer token stream fills them)")  # fmt: skip
         stats = self.staging.host_stats()
-        return where if not stats.calls else f"{where}; {stats.describe()}"
+        if not stats.calls:
+            return where
+        asked = f", {self.staging.pages_asked} file pages asked for first" if self.tier.ask_pages_first != "never" else ""
+        return f"{where}; {stats.describe()}{asked}"
 
 
 def index_bytes(rows: int, slots: int, staging_rows: int, traffic: bool) -> int:

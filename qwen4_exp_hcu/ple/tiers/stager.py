@@ -18,6 +18,7 @@ from qwen4_exp_hcu.ple.tiers.host_call import CALLBACK
 SOURCE = Path(__file__).with_name("stage.c")
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
+ASK_PAGES_FIRST = ("never", "after_a_fault", "always")  # `Stager.ask_first`: stage.c's ASK_*, in order
 
 
 class Stager(ctypes.Structure):
@@ -28,7 +29,7 @@ class Stager(ctypes.Structure):
                 ("counts", _p), ("fresh", _p), ("fresh_len", _i64), ("fresh_cap", _i64), ("lookups", _i64),
                 ("refresh_every", _i64), ("promote", CALLBACK), ("ids", _p), ("cached", _p), ("slot", _p),
                 ("keys", _p), ("vals", _p), ("table_size", _i64), ("calls", _i64), ("ns", _i64),
-                ("longest_ns", _i64), ("alive", _i64)]  # fmt: skip
+                ("longest_ns", _i64), ("alive", _i64), ("ask_first", _i64), ("pages_asked", _i64)]  # fmt: skip
 
 
 class Call(ctypes.Structure):
@@ -65,6 +66,10 @@ def library() -> ctypes.CDLL:
                                    f"{CACHE_ENV} to a writable directory.") from e  # fmt: skip
         lib = ctypes.CDLL(str(built))
         lib.qwen4_ple_stage.argtypes, lib.qwen4_ple_stage.restype = [ctypes.POINTER(Stager), _i64, _i64], None
+        lib.qwen4_ple_stager_bytes.restype = _i64
+        if lib.qwen4_ple_stager_bytes() != ctypes.sizeof(Stager):  # a field added on one side only
+            raise RuntimeError(f"{SOURCE}'s Stager has {lib.qwen4_ple_stager_bytes()} bytes, its mirror in {__file__} "
+                               f"{ctypes.sizeof(Stager)}: they must list the same fields.")  # fmt: skip
         _LIB = lib
     return _LIB
 

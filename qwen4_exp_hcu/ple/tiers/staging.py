@@ -144,6 +144,11 @@ class StagingArea:
             self._calls[n, flagged] = stager.Call(ctypes.pointer(self.state), n, flagged)
         return ctypes.addressof(self._calls[n, flagged])
 
+    @property
+    def pages_asked(self) -> int:
+        """File pages the host function asked the kernel for before copying its misses (`FileTier.ask_pages_first`)."""
+        return self.state.pages_asked
+
     def host_stats(self) -> HostCallStats:
         s = self.state
         return HostCallStats(s.calls, s.ns / 1e9, s.longest_ns / 1e9)
