@@ -299,12 +299,14 @@ def plot_bench(report: dict, path: Path) -> None:
         rate.plot(c, [x["output_throughput"] for x in ok], "o-", color=f"C{i}", label=label)
         tpot.plot(c, [x["p50_tpot_ms"] for x in ok], "o-", color=f"C{i}", label=f"{run['variant']} p50")
         tpot.plot(c, [x["p99_tpot_ms"] for x in ok], "s--", color=f"C{i}", label=f"{run['variant']} p99")
+    s = report["settings"]
     for ax, title in ((rate, "output tokens/s"), (tpot, "TPOT, ms")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(s["concurrency"], [str(c) for c in s["concurrency"]])
         ax.set_xlabel("concurrency")
+        ax.set_ylim(bottom=0)
         ax.set_title(title)
         ax.legend(fontsize=8)
-    s = report["settings"]
     fig.suptitle(f"vllm bench serve, random {s['input_len']} in / {s['output_len']} out; {report['device']}",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
