@@ -16,10 +16,8 @@ the server's process tree is sampled every `--sample-s` seconds: RSS and PSS (ps
 sample against the one at the end of the first quarter (the warm-up), in MiB and %.
 
 Variants (`--variant NAME=CHECKPOINT`, several side by side in one bench run; `--server-args` go to every server):
-  host_int8       our class, INT8 tables in pinned host memory (the plugin's default)
-  host_fp8        our class, upstream's FP8 table layout in pinned host memory
-  vllm_host_fp8   vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), the same FP8 tables in host memory
-  vllm_host_bf16  vLLM's own class, BF16 tables in host memory
+  host_int8, host_fp8             our class, INT8 tables / upstream's FP8 table layout in pinned host memory
+  vllm_host_fp8, vllm_host_bf16   vLLM's own class (`QWEN4_EXP_HCU_DISABLE=1`), FP8 / BF16 tables in host memory
 
     python -m benchmarks.serve_load --mode bench --variant host_int8=CKPT [host_fp8=CKPT ...] [--server-args "..."]
     python -m benchmarks.serve_load --mode soak --variant host_int8=CKPT --minutes 60 --concurrency 64
@@ -145,18 +143,23 @@ def server(name: str, checkpoint: str, args: argparse.Namespace, log: Path):
         yield url, proc.pid
 
 
-def bench(args: argparse.Namespace, workdir: Path) -> dict:
-    runs = []
+def bench(args: argparse.Namespace, workdir: Path, report: dict) -> None:
+    """Each variant's sweep into `report["runs"]`, saved as soon as it is measured (a cut-off call keeps it) beside the
+    runs of other variants that an earlier call saved to `--out` (one call per variant where a call's time is short)."""
+    old, rerun = Path(args.out) / "bench.json", {name for name, _ in args.variant}
+    kept = json.loads(old.read_text())["runs"] if old.exists() else []
+    report["runs"] = [r for r in kept if r["variant"] not in rerun]
     for name, checkpoint in args.variant:
+        run = {"variant": name, "checkpoint": checkpoint, "command": report["command"], "commit": report["commit"]}
         t0 = time.monotonic()
         try:
             with server(name, checkpoint, args, workdir / f"{name}_server.log") as (url, _):
-                startup = time.monotonic() - t0
-                runs.append({"variant": name, "checkpoint": checkpoint, "startup_s": startup,
-                             **sweep(url, checkpoint, args, workdir / name)})
+                run["startup_s"] = time.monotonic() - t0
+                run.update(sweep(url, checkpoint, args, workdir / name))
         except RuntimeError as e:  # a server that does not start: reported, the other variants still run
-            runs.append({"variant": name, "checkpoint": checkpoint, "error": str(e)[-1500:]})
-    return {"runs": runs}
+            run["error"] = str(e)[-1500:]
+        report["runs"].append(run)
+        save(args.out, "bench", report, plot_bench)
 
 
 def stream(url: str, model: str, prompt: list[int], max_tokens: int, close_after: int | None) -> str:
@@ -178,18 +181,13 @@ def stream(url: str, model: str, prompt: list[int], max_tokens: int, close_after
                 chunks += 1
                 if chunks == close_after:
                     return "closed_by_client"  # leaving the block closes the connection mid-generation
-    except requests.Timeout:
-        return "timeout"
-    except requests.ConnectionError:
-        return "connection"
-    except requests.RequestException as e:
+    except requests.RequestException as e:  # ConnectionError, ReadTimeout, ChunkedEncodingError, ...
         return type(e).__name__
     return "completed" if (finish, tokens) == ("length", max_tokens) else f"finished_{finish}_with_{tokens}_tokens"
 
 
 def sample(t0: float, pid: int | None, outcomes: dict) -> dict:
-    """One soak sample: seconds since `t0`, the outcomes so far, and the memory of the server's process tree (where
-    its PID is known)."""
+    """One soak sample: seconds since `t0`, the outcomes so far, the server's process tree's memory (PID known)."""
     import psutil
 
     s = {"t_s": time.monotonic() - t0, "outcomes": dict(outcomes)}
@@ -244,12 +242,12 @@ def soak(args: argparse.Namespace, workdir: Path) -> dict:
         before, t0 = scrape(url), time.monotonic()
 
         def sampler() -> None:
-            while True:
+            for k in itertools.count(1):  # on a grid of --sample-s from the start, however long a sample takes
                 with lock:
                     now = dict(outcomes)
                 samples.append(sample(t0, pid, now))
                 print(json.dumps(samples[-1]), flush=True)
-                if stop.wait(args.sample_s):
+                if stop.wait(max(0.0, t0 + k * args.sample_s - time.monotonic())):
                     return
 
         thread = threading.Thread(target=sampler, daemon=True)
@@ -316,17 +314,21 @@ def plot_bench(report: dict, path: Path) -> None:
 def plot_soak(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    samples = report["samples"]
+    samples, flat = report["samples"], report["flatness"]
     minutes = [s["t_s"] / 60 for s in samples]
-    fig, (mem, load) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (mem, growth, load) = plt.subplots(1, 3, figsize=(17, 4.5))
     for key, label in MEMORY.items():
-        if any(s.get(key) is not None for s in samples):
+        if f := flat.get(key):  # absolute, and after the warm-up against its last sample
             mem.plot(minutes, [s.get(key) for s in samples], "o-", markersize=3, label=label)
-    if warm := report["flatness"].get("rss_mib"):
-        mem.axvline(warm["warm_up_end_s"] / 60, color="grey", linestyle=":", label="end of warm-up")
+            after = [s for s in samples if s.get(key) is not None and s["t_s"] >= f["warm_up_end_s"]]
+            growth.plot([s["t_s"] / 60 for s in after], [s[key] - f["at_warm_up_end_mib"] for s in after], "o-",
+                        markersize=3, label=label)  # fmt: skip
+    if f := flat.get("rss_mib"):
+        mem.axvline(f["warm_up_end_s"] / 60, color="grey", linestyle=":", label="end of warm-up")
     for kind in sorted({k for s in samples for k in s["outcomes"]}):
         load.plot(minutes, [s["outcomes"].get(kind, 0) for s in samples], "o-", markersize=3, label=kind)
-    for ax, title in ((mem, "server process tree, MiB"), (load, "requests so far, by outcome")):
+    for ax, title in ((mem, "server process tree, MiB"), (growth, "MiB since the end of the warm-up"),
+                      (load, "requests so far, by outcome")):  # fmt: skip
         ax.set_xlabel("minutes")
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -383,8 +385,11 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"command": "python -m benchmarks.serve_load " + shlex.join(sys.argv[1:] if argv is None else argv),
               "commit": commit(), "device": where, "machine": m, "mode": args.mode,
               "settings": {k: v for k, v in vars(args).items() if k not in ("mode", "workdir", "out")}}  # fmt: skip
-    report.update(bench(args, workdir) if args.mode == "bench" else soak(args, workdir))
-    save(args.out, args.mode, report, plot_bench if args.mode == "bench" else plot_soak)
+    if args.mode == "bench":
+        bench(args, workdir, report)
+    else:
+        report.update(soak(args, workdir))
+        save(args.out, "soak", report, plot_soak)
     return report
 
 

