@@ -197,12 +197,18 @@ def load_prefix(variant: str, docs: list[dict]) -> Cells:
 
 
 def load_soak(docs: list[dict]) -> Cells:
-    d = docs[0]
-    flat, req = d["flatness"]["rss_mib"], d["requests"]
-    return Cells(f"RSS **{flat['growth_mib']:+.0f} MiB ({flat['growth_pct']:+.1f} %)** from the end of the warm-up "
-                 f"({flat['warm_up_end_s'] / 60:.1f} min) to the last sample, at {num(flat['last_mib'], 0)} MiB; "
-                 f"{req['completed']} streams completed, {req['closed_by_client']} closed by their client, "
-                 f"{sum(req['errors'].values())} errors, {num(d['left_running'], 0)} left running; 1 round")  # fmt: skip
+    """Per soak, RSS growth after the warm-up (`flatness`) and over its second half, and its streams' outcomes."""
+    parts = []
+    for d in docs:
+        flat, req, samples = d["flatness"]["rss_mib"], d["requests"], d["samples"]
+        half = next(s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2)
+        growth = f"**{flat['growth_mib']:+.0f} MiB ({flat['growth_pct']:+.1f} %)**"
+        parts.append(f"{d['settings']['minutes']:g} min: {growth} after the warm-up ({flat['warm_up_end_s'] / 60:.1f} "
+                     f"min), {samples[-1]['rss_mib'] - half['rss_mib']:+.0f} MiB over the second half, at "
+                     f"{num(flat['last_mib'], 0)} MiB; {num(req['completed'], 0)} streams completed, "
+                     f"{num(req['closed_by_client'], 0)} closed by their client, {sum(req['errors'].values())} errors, "
+                     f"{num(d['left_running'], 0)} left running")  # fmt: skip
+    return Cells("; ".join(parts) + f"; {rounds(1)} each")
 
 
 # Lookups: benchmarks/bench_lookup.py, bench_file_tier.py, bench_file_promotions.py, bench_host_callback.py
@@ -520,8 +526,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("random prompts, 64 tokens in / 16 out", ("serve_load_cpu/bench.json",), partial(load_random, "host_int8")),
         Row("shared prefixes, concurrency 4: 2 prefixes of 400 tokens, each prompt one of them + 32 tokens",
             ("serve_load_cpu/bench.json",), partial(load_prefix, "host_int8")),
-        Row("soak: 6 min at concurrency 4, one stream in 10 closed by its client; the server's process tree",
-            ("serve_load_cpu/soak.json",), load_soak, "flat after the warm-up"),
+        Row("soak at concurrency 4, one stream in 10 closed by its client: the RSS of the server's process tree",
+            ("serve_load_cpu/soak.json", "serve_load_cpu/soak_20min/soak.json"), load_soak, "flat after the warm-up"),
     ]),
     ("PLE lookup (1×H200, 16 384 tokens × 16 heads, sorted ids; GB/s of useful bytes, row + scale a token and head)", [
         Row("12 GB INT8 table of 128-value rows, the library's path", ("bench_lookup.json",),

@@ -209,6 +209,22 @@ def test_arguments():
             serve_load.parse_args(bad)
 
 
+def test_the_h200_preset_parses_into_the_engine_settings():
+    """configs/serve_load_h200.yaml (`tools/gpu_session.sh load`) as `vllm serve` reads it, with a variant's flags."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    _, extra = serve_load.VARIANTS["vllm_host_fp8"]
+    preset = ROOT / "configs" / "serve_load_h200.yaml"
+    engine = EngineArgs.from_cli_args(parser.parse_args(["--model", "/ckpt", *extra, "--config", str(preset)]))
+    assert (engine.max_model_len, engine.max_num_seqs, engine.kv_cache_memory_bytes) == (20480, 256, 48 << 30)
+    assert engine.attention_config.backend.name == "TRITON_ATTN" and engine.compilation_config.custom_ops == ["none"]
+    assert engine.additional_config == {"gdn_prefill_backend": "triton"}
+    assert engine.hf_overrides == {"output_gate_type": "silu"}
+    assert engine.enable_prefix_caching is None  # vLLM's default, on for this hybrid model
+
+
 @pytest.mark.vllm
 def test_a_short_bench_run_through_vllm_cpu(tiny, tmp_path):
     """`--mode bench` on the tiny INT8 checkpoint: the module starts `vllm serve`, runs vLLM's harness at one
