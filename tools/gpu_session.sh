@@ -12,6 +12,11 @@
 #                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
 #                                  sweep's fastest launch at 16 tokens inside the block (kept under /tmp while the
 #                                  machine is warm)
+#   load                           benchmarks/serve_load.py at the release geometry: `vllm serve` per variant (VARS, each on
+#                                  the checkpoint of its table kind) with configs/serve_load_h200.yaml, driven by vLLM's
+#                                  harness (LOAD=bench, the default) or soaked (LOAD=soak, 6 min); LOAD_ARGS: more flags
+#                                  (e.g. "--concurrency 8 64"). A call adds its runs to /tmp/serve_load (kept while the
+#                                  machine is warm: one variant a call fits the call's time)  -> $OUT/serve_load
 #   test                           pytest $TESTS [-k "$K"] (LIM: seconds, default 500; every case runs, no -x: one failure
 #                                  must not hide the others' figures; each case's outcome as it ends, the last TAIL lines
 #                                  (default 40); result files -> $OUT/results)
@@ -79,6 +84,12 @@ PY
          python3 -m benchmarks.bench_serve $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
            ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
+  load) if [[ " $VARS" == *" vllm_"* ]] && [ -z "$DSL_READY" ]; then echo "vLLM's class needs the CuTe DSL: stash it first" >&2; exit 3; fi
+        v=(); for name in $VARS; do v+=("$name=$W/bench-${name##*_}"); done  # host_int8 -> bench-int8, vllm_host_fp8 -> bench-fp8
+        [ "${LOAD:-bench}" = soak ] && LOAD_ARGS="--minutes 6 --sample-s 20 $LOAD_ARGS"  # what fits a call; LOAD_ARGS overrides
+        python3 -m benchmarks.serve_load --mode "${LOAD:-bench}" --variant "${v[@]}" --server-args "--config configs/serve_load_h200.yaml" \
+          --out /tmp/serve_load $LOAD_ARGS 2>&1 | grep -av "^INFO\|^WARNING\|^(" | cut -c1-400 | tail -30
+        cp -r /tmp/serve_load "$OUT/" ;;
   test) timeout "${LIM:-500}" python3 -m pytest -v -s -rfs -p no:cacheprovider --results-dir "$OUT/results" $TESTS ${K:+-k "$K"} 2>&1 \
           | grep -a "PARITY\|passed\|failed\|PASSED\|FAILED\|ERROR\|Error\|^SKIPPED\|^E " | grep -av "::.* SKIPPED" \
           | cut -c1-400 | tail -"${TAIL:-40}" ;;  # -v: each case's outcome as it ends, so a run LIM cuts says which cases ran
