@@ -9,7 +9,6 @@ wins a tie at the cutoff is arbitrary)."""
 
 import ctypes
 import mmap
-import os
 import resource
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.common import drop_page_cache
 from qwen4_exp_hcu.ple.tiers import stager
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileRows, FileTier
@@ -154,19 +154,10 @@ def _major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def _drop_cached_pages(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _drops_reach_the_drive(path) -> bool:
     """Whether a page of `path` dropped from the page cache is read from the drive when next touched (a major fault);
     not on a file system that keeps every page in memory (tmpfs)."""
-    _drop_cached_pages(path)
+    drop_page_cache(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
         before = _major_faults()
         m[0]
@@ -183,7 +174,7 @@ def test_after_a_fault_the_rest_of_the_pages_are_asked_for(tmp_path):
     rows = _rows(tmp_path, 900, 1500, 700, 0, refresh_every=0, staging_rows=64)
     ids = np.arange(900, 2400, 25, dtype=np.int64)  # 60 rows, several a page, over 3 shards
     for f in files:
-        _drop_cached_pages(f)
+        drop_page_cache(f)
     before = _major_faults()
     got = rows.stage(torch.from_numpy(ids)).numpy()
     faults, asked = _major_faults() - before, rows.staging.pages_asked
