@@ -196,8 +196,20 @@ def vllm_serve(checkpoint: str | Path, server_args: list[str], log: Path, env: d
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes, should the server have left any
+        _drain_group(proc.pid, grace_s)
+
+
+def _drain_group(pgid: int, grace_s: float) -> None:
+    """Wait for the rest of a stopped server's process group (multiprocessing's resource tracker unlinks the shared
+    memory and semaphores the server leaves in /dev/shm as it exits); SIGKILL what is still there after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)
+            time.sleep(0.5)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone
 
 
 def _healthy(url: str) -> bool:
