@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.run_record import release
+from helpers.run_record import ROOT, code_files, code_id, release
 
 TESTS_DIR = Path(__file__).parent
 TOOL = TESTS_DIR.parent / "tools" / "gpu_suite.py"
@@ -148,7 +148,7 @@ def records(directory: Path) -> dict[str, dict]:
 
 
 def test_each_test_leaves_its_record_with_its_figures(tmp_path):
-    out = tmp_path / "results" / f"{COMMIT[:7]}_{release()}" / "tests"
+    out = tmp_path / "results" / f"{code_id()}_{release()}" / "tests"
     run = pytest_run(tmp_path, FIGURES, "--test-records", str(out))
     assert run.returncode == 1, run.stdout + run.stderr  # one test failed
     found = records(out)
@@ -157,7 +157,7 @@ def test_each_test_leaves_its_record_with_its_figures(tmp_path):
     passes = found["test_passes"]
     assert passes["outcome"] == "passed" and "message" not in passes and passes["graph_mode"] is None
     assert passes["figures"] == {"mean": 0.0069, "within_tolerance": True}
-    assert (passes["commit"], passes["vllm"], passes["device"]) == (COMMIT, release(), "cpu")
+    assert (passes["commit"], passes["code"], passes["vllm"], passes["device"]) == (COMMIT, code_id(), release(), "cpu")
     assert [name for name, r in found.items() if r["ran_first"]] == ["test_passes"]
     assert found["test_graph_mode[eager]"]["graph_mode"] == "eager"
     assert found["test_names_its_graph_mode"]["graph_mode"] == "full_decode_only"
@@ -166,7 +166,7 @@ def test_each_test_leaves_its_record_with_its_figures(tmp_path):
     assert found["test_skips"]["outcome"] == "skipped" and "no accelerator here" in found["test_skips"]["message"]
     assert found["test_skips"]["reason"] == "Skipped: no accelerator here"
 
-    table = tool(tmp_path, "--table", "--commit", COMMIT, "--vllm", release())
+    table = tool(tmp_path, "--table", "--vllm", release())
     assert table.returncode == 0, table.stderr
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in table.stdout.splitlines()[2:]}
     assert len(rows) == 6 and table.stdout.startswith("| test | outcome | graph mode | figures |")
@@ -179,7 +179,7 @@ def test_each_test_leaves_its_record_with_its_figures(tmp_path):
 def test_the_suite_resumes_where_a_killed_run_stopped(tmp_path):
     """A killed run keeps the finished tests' records and its cut test's; the next runs skip what is recorded and
     run the cut test first; cut again as the first, it counts as finished."""
-    out = tmp_path / "results" / f"{COMMIT[:7]}_{release()}"
+    out = tmp_path / "results" / f"{code_id()}_{release()}"
     (tmp_path / "test_sample.py").write_text(SUITE)
     first = tool_run(tmp_path)
     assert first.returncode == 128 + signal.SIGKILL, first.stdout + first.stderr
@@ -211,3 +211,11 @@ def test_the_budget_starts_no_test_once_spent(tmp_path):
     assert ran(tmp_path) == ["1"]
     assert set(records(out)) == {"test_1"}
     assert "1 of 3 tests recorded, 2 left: next test_sample.py::test_2" in run.stdout
+
+
+def test_records_are_named_by_the_code_they_ran_not_by_results_or_docs():
+    files = {p.relative_to(ROOT).as_posix() for p in code_files()}
+    assert {"qwen4_exp_hcu/__init__.py", "tests/conftest.py", "pyproject.toml", "configs/release_config.json"} <= files
+    assert not {f for f in files if f.startswith(("docs/", "benchmarks/results/", "tools/"))}
+    assert "benchmarks/figures.py" not in files and "benchmarks/bench_serve.py" in files
+    assert len(code_id()) == 12 and code_id() == code_id()

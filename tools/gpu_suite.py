@@ -1,15 +1,17 @@
 """The whole GPU suite on the shipped code, over as many device calls as the machine's time limit needs.
 
 Each call runs, in pytest's order, the GPU tests (markers `gpu` or `vllm`, `multi_gpu` only with --multi-gpu, never
-`cpu_only`) that have no finished record in benchmarks/results/gpu_suite/<commit>_<vLLM release>/tests/ yet, and
+`cpu_only`) that have no finished record in benchmarks/results/gpu_suite/<code>_<vLLM release>/tests/ yet, and
 starts none once --budget-s has passed, so the call ends inside the limit. Every test leaves one JSON there as it
-ends (outcome, seconds, message, figures, commit, vLLM release, device, graph mode: `helpers.records`); a test the
+ends (outcome, seconds, message, figures, commit, code, vLLM release, device, graph mode: `helpers.records`); a test the
 limit cuts short anyway runs first in the next call. The run's other result files (`vllm_gpu_modes.json`, the run
-record `suite_vllm-*.json`) go into the folder beside `tests/`. Arguments after `--` go to pytest.
+record `suite_vllm-*.json`) go into the folder beside `tests/`. Arguments after `--` go to pytest (without a test
+path, `tests`). <code> is `run_record.code_id()`, a hash of the package, tests, configs and benchmarks: a later commit
+that changes none of them (results, docs) finds the records of its code.
 
     QWEN4_EXP_HCU_COMMIT=<commit> python3 tools/gpu_suite.py --budget-s 420    # on the GPU machine, again and again
-    python3 tools/gpu_suite.py --list --commit <commit> --vllm 0.33.0          # what is left (collects, runs nothing)
-    python3 tools/gpu_suite.py --table --commit <commit> --vllm 0.33.0         # the records as a markdown table
+    python3 tools/gpu_suite.py --list --vllm 0.33.0          # this tree's: what is left (collects, runs nothing)
+    python3 tools/gpu_suite.py --table --vllm 0.33.0         # the records as a markdown table
 """
 
 import argparse
@@ -21,15 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers.records import read_records  # noqa: E402
-from helpers.run_record import commit, release  # noqa: E402
+from helpers.run_record import code_id, commit, release  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite"
 MARKERS = "(gpu or vllm) and not cpu_only"
 COLUMNS = ("test", "outcome", "graph mode", "figures", "device", "commit", "vLLM")
+PATHLESS = ("-k", "-m", "-p", "--rootdir", "--deselect")  # pytest options whose value is not a test path
 
 
-def folder(results: Path, commit: str, release: str) -> Path:
-    return results / f"{commit[:7]}_{release}"
+def folder(results: Path, code: str, release: str) -> Path:
+    return results / f"{code}_{release}"
 
 
 def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bool, extra: list[str]) -> list[str]:
@@ -39,6 +42,10 @@ def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bo
     if list_only:
         return cmd + ["--collect-only", "-q", *extra]
     return cmd + ["-q", "-rfE", "--budget-s", f"{budget_s:g}", "--results-dir", str(folder), *extra]
+
+
+def test_paths(args: list[str]) -> list[str]:
+    return [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in PATHLESS)]
 
 
 def cell(value) -> str:
@@ -66,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="say what is recorded and list what is left; run nothing")
     ap.add_argument("--table", action="store_true", help="print the records as a markdown table; run nothing")
     ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--commit", default=None, help="default: QWEN4_EXP_HCU_COMMIT, else git's HEAD")
+    ap.add_argument("--commit", default=None, help="the commit the records name (default: QWEN4_EXP_HCU_COMMIT, "
+                    "else git's HEAD)")
+    ap.add_argument("--code", default=None, help="with --list or --table: the code whose records to read (default: "
+                    "this tree's)")
     ap.add_argument("--vllm", default=None, help="with --list or --table: the release whose records to read "
                     "(default: the installed one)")
     args, extra = ap.parse_known_args(argv)
@@ -76,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     sha = args.commit or commit()
     if sha == "unknown":
         ap.error("no commit: this tree has no git; set QWEN4_EXP_HCU_COMMIT to the caller's `git rev-parse HEAD`")
-    out = folder(args.results, sha, args.vllm or release())
+    if args.code and not (args.list or args.table):
+        ap.error("--code names the records to read: a run records this tree's code")
+    out = folder(args.results, args.code or code_id(), args.vllm or release())
+    if not test_paths(extra):
+        extra.append("tests")  # pytest reads the records' options from tests/conftest.py only when given a path there
     if args.table:
         print(table(out), end="")
         return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.run_record import add_report, commit, release
+from helpers.run_record import add_report, code_id, commit, release
 
 UNFINISHED = "unfinished"
 GRAPH_MODE_PARAMS = ("graph_mode", "mode")
@@ -59,7 +59,7 @@ def machine() -> dict:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"commit": commit(), "vllm": release(), "device": device}
+    return {"commit": commit(), "code": code_id(), "vllm": release(), "device": device}
 
 
 def graph_mode(item) -> str | None:

@@ -5,8 +5,10 @@ the tests write themselves (e.g. `vllm_gpu_modes.json`); `--test-records` (`help
 test instead.
 
 The GPU machine receives a copy of the working tree without git: there the commit comes from
-`QWEN4_EXP_HCU_COMMIT` (the caller's `git rev-parse HEAD`)."""
+`QWEN4_EXP_HCU_COMMIT` (the caller's `git rev-parse HEAD`). `code_id()` names the code a record holds for, so that
+a commit that only adds results or docs keeps the records of the one before it."""
 
+import hashlib
 import json
 import os
 import platform
@@ -25,6 +27,34 @@ def commit() -> str:
         return os.environ["QWEN4_EXP_HCU_COMMIT"]
     run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     return run.stdout.strip() or "unknown"
+
+
+# What the tests run: the package, the tests and the configs and benchmarks they load; not the docs, the results, the
+# figures made from them, nor the tools that drive the device.
+CODE_PARTS = ("qwen4_exp_hcu", "tests", "configs", "benchmarks", "pyproject.toml")
+CODE_SUFFIXES = (".py", ".c", ".h", ".toml", ".yaml", ".json")
+NOT_CODE = ("benchmarks/results/", "benchmarks/figures.py")
+
+
+def code_files() -> list[Path]:
+    found = []
+    for part in CODE_PARTS:
+        top = ROOT / part
+        for path in [top] if top.is_file() else top.rglob("*"):
+            name = path.relative_to(ROOT).as_posix()
+            hidden = any(p.startswith(".") or p == "__pycache__" for p in path.relative_to(ROOT).parts)
+            if path.is_file() and path.suffix in CODE_SUFFIXES and not hidden and not name.startswith(NOT_CODE):
+                found.append(path)
+    return sorted(found)
+
+
+def code_id() -> str:
+    """A hash of the files the tests run (their paths and bytes): the same here and in the device's copy of the
+    tree, which has no git."""
+    digest = hashlib.sha256()
+    for path in code_files():
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def release() -> str:
