@@ -91,6 +91,7 @@ def causal_attention(attn):
     return forward
 
 
+@pytest.mark.cpu_only  # a GPU build of vLLM runs the fused MoE as a CUDA op only; there MTP serves in test_vllm_speculative.py
 def test_draft_head_matches_its_reference(vllm_process, checkpoint, tmp_path):
     from vllm.forward_context import set_forward_context
 

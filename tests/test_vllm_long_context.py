@@ -18,7 +18,7 @@ patched in beyond the budget (the fault QSA guards against) must fail it at ever
 import pytest
 import torch
 
-from helpers import engines
+from helpers import engines, faults
 from helpers.checkpoints import sharpen_attention
 from helpers.scenarios import GPU_ENGINE, LONG, LONG_FAULT_RATIO, logprob_errors
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint, reference_greedy
@@ -95,9 +95,7 @@ def test_qsa_beyond_the_budget_matches_transformers(served, reference, record_pr
 def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served, reference, monkeypatch,
                                                      record_property):
     """The fault QSA guards against: dense attention over every token of the long prompts."""
-    from qwen4_exp_hcu.model import model
-
-    monkeypatch.setattr(model, "uses_qsa", lambda vllm_config: False)
+    faults.dense_attention_beyond_the_budget(monkeypatch.setattr)
     dense = serve(checkpoint, prompts)
     assert {s["attention"] for s in dense} == {"DenseGatedAttention"}
     rows = errors_per_prompt(dense, reference)

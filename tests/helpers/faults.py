@@ -94,6 +94,14 @@ def shift_ple_state_restore(patch=setattr) -> None:
     patch(Qwen4ExpForCausalLM, "get_mamba_state_copy_funcs", classmethod(with_shifted_ple))
 
 
+def dense_attention_beyond_the_budget(patch=setattr) -> None:
+    """Every attention layer dense, also where a sequence outgrows the QSA indexer's budget: long prompts served
+    without the indexer's block selection."""
+    from qwen4_exp_hcu.model import model
+
+    patch(model, "qsa_builder", lambda vllm_config: None)
+
+
 def later_stage_ids_shifted(patch=setattr) -> None:
     """Pipeline stages after the first hash the token ids one position late (the ids a stage receives rolled
     by one): what a stage PLE-hashing ids other than the first stage's would do."""

