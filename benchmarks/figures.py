@@ -455,12 +455,11 @@ def emulated_casts(docs: list[dict]) -> Cells:
 
 
 def long_context(docs: list[dict]) -> Cells:
-    runs = {(r["prompt_tokens"], r["dense_fault"]): r for r in docs[0]["runs"]}
-    qsa = [r for (_, fault), r in runs.items() if not fault]
-    dense = max((r for (_, fault), r in runs.items() if fault), key=lambda r: r["mean"])
-    return Cells(f"QSA, prompts of {labels(sorted(t for t, f in runs if not f))} tokens in one batch: worst "
-                 f"**{max(r['mean'] for r in qsa)} / {max(r['max'] for r in qsa)}**; dense attention patched in: "
-                 f"{dense['mean']} / {dense['max']} at {num(dense['prompt_tokens'], 0)} tokens; 1 round")
+    """One GPU suite record of `test_vllm_long_context.py`: its figures are "mean / max at N tokens"."""
+    rows = {int(name.split()[-2]): [float(v) for v in value.split(" / ")] for name, value in docs[0]["figures"].items()}
+    worst = max((r for n, r in rows.items() if n > 2048), key=lambda r: r[0])
+    return Cells(f"prompts of {labels(sorted(rows))} tokens in one batch: worst beyond the budget **{worst[0]} / "
+                 f"{worst[1]}**; 1 round")
 
 
 def peer(docs: list[dict]) -> Cells:
@@ -483,7 +482,10 @@ def suite(docs: list[dict]) -> Cells:
 
 # The rows. Release geometry: the release's per-layer shapes, 48 layers, QSA budget 2048, the TP4 rank's 13 GB INT8 table.
 S30 = "serve_release_breakable_session30/"
-SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one commit on vLLM 0.34
+SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one code on vLLM 0.34: an H100's
+H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # and an H200's
+H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("20261205T125253", "20261205T130021",
+                                                                       "20261205T130808", "20261205T131643"))
 FDO22 = "serve_release_files_fdo_session22/"
 WILLNEED = "file_tier_cpu_willneed/file_tier_cpu.json"
 WILLNEED_WARM = "file_tier_cpu_willneed_warm/file_tier_cpu.json"
@@ -627,16 +629,17 @@ FAMILIES: list[tuple[str, list[Row]]] = [
     ("Accuracy in vLLM on one GPU, the H200 or an H100 as each file says (tiny INT8 checkpoint, host tables; top-5 logprobs against transformers fp32, "
      "mean / max)", [
         Row("every CUDA-graph mode, prefetch on, vLLM 0.33", ("vllm_releases_gpu/vllm_gpu_modes_vllm-0.33.0.json",), graph_modes),
-        Row("every CUDA-graph mode, prefetch on and off, vLLM 0.34", (f"{SUITE034}vllm_gpu_modes.json",), graph_modes),
+        Row("every CUDA-graph mode, prefetch on and off, vLLM 0.34", (f"{H200_034}vllm_gpu_modes.json",), graph_modes),
         Row("torch.compile modes with Inductor's emulated precision casts", ("vllm_gpu_modes.json",), emulated_casts),
-        Row("QSA beyond the indexer budget (vLLM's `Qwen4ExpQSAAttention`)", ("long_context.json",), long_context,
-            "`LONG` 0.01 / 0.04 (`tests/helpers/scenarios.py`)"),
+        Row("QSA beyond the indexer budget (vLLM's `Qwen4ExpQSAAttention`, attention sharpened), vLLM 0.34",
+            (f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json",),
+            long_context, "`LONG` 0.057 / 0.52 (`tests/helpers/scenarios.py`)"),
         Row("ours against vLLM's own class, the same tiny BF16 checkpoint, eager", ("peer_logprobs_eager.json",), peer,
             "`TINY` 0.012 / 0.12"),
         Row("the GPU suite's run records: kernels and every graph mode", tuple(f"{SUITE034}suite_vllm-0.34.0_{t}.json"
             for t in ("20261205T101104", "20261205T101954")), suite),
-        Row("the GPU suite's run record: graph modes, MTP, release layouts", (
-            "vllm_releases_gpu/suite_vllm-0.34.0_20261205T033446.json",), suite),
+        Row("the GPU suite's run records: long context, MTP, release layouts, graph modes, file tier, table formats",
+            H200_034_RUNS, suite),
     ]),
 ]
 
@@ -646,6 +649,10 @@ SUITE_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_ARGS='
               "tests/test_sync_free.py tests/test_formats.py tests/test_layer.py tests/test_ple_gate.py tests/test_prefetch.py "
               "tests/test_short_conv.py tests/test_vllm_gpu.py tests/test_hyper_connection.py' bash tools/gpu_session.sh suite "
               "(again until 0 left)")
+SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_ARGS='tests/test_vllm_long_context.py "
+                   "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
+                   "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
+                   "suite (again until 0 left; the CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
 MEMORY = "python -m benchmarks.bench_serve --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
     "bench_lookup.json": "python -m benchmarks.bench_lookup",
@@ -665,6 +672,9 @@ COMMANDS = {
                                                "bash tools/gpu_session.sh serve",
     **{f"{SUITE034}suite_vllm-0.34.0_{t}.json": SUITE_CALL for t in ("20261205T101104", "20261205T101954")},
     f"{SUITE034}vllm_gpu_modes.json": SUITE_CALL,
+    **{name: SUITE_H200_CALL for name in H200_034_RUNS},
+    f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
+    f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json": SUITE_H200_CALL,
     "serve_release_session16/memory_full_and_piecewise/bench_serve.json": MEMORY + "full_and_piecewise",
     "serve_release_session24/memory_piecewise/bench_serve.json": MEMORY + "piecewise",
     "serve_release_session26/memory_full_decode_only_compiled/bench_serve.json": MEMORY + "full_decode_only_compiled",
@@ -698,7 +708,7 @@ def device(doc: dict) -> str:
     machine = doc.get("machine", {})
     if doc.get("devices"):
         return f"{len(doc['devices'])}× {doc['devices'][0].removeprefix('NVIDIA ')}"
-    if (gpu := machine.get("gpu") or machine.get("device")) and gpu != "cpu":
+    if (gpu := machine.get("gpu") or machine.get("device") or doc.get("device")) and gpu != "cpu":
         return gpu.removeprefix("NVIDIA ")
     return f"CPU, {machine['cpus']} cores" if "cpus" in machine else ""
 
