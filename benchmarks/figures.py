@@ -211,6 +211,17 @@ def load_soak(docs: list[dict]) -> Cells:
     return Cells("; ".join(parts) + f"; {rounds(1)} each")
 
 
+def load_soak_control(docs: list[dict]) -> Cells:
+    """Soaks run back to back, one per setting (`SOAK_CONTROL`): the vLLM worker's RSS growth after the warm-up."""
+    parts = []
+    for label, d in zip(SOAK_CONTROL.values(), docs, strict=True):
+        worker = [next(v for k, v in s["rss_mib_by_process"].items() if "Worker" in k) for s in d["samples"]]
+        flat = d["flatness"]["rss_mib"]
+        parts.append(f"{label}: **{flat['growth_mib']:+.0f} MiB**, worker at {num(worker[-1], 0)} MiB, "
+                     f"{num(d['requests']['completed'], 0)} streams")
+    return Cells("; ".join(parts) + f"; {rounds(1)} each")
+
+
 # Lookups: benchmarks/bench_lookup.py, bench_file_tier.py, bench_file_promotions.py, bench_host_callback.py
 
 
@@ -489,6 +500,9 @@ H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("2026120
 FDO22 = "serve_release_files_fdo_session22/"
 WILLNEED = "file_tier_cpu_willneed/file_tier_cpu.json"
 WILLNEED_WARM = "file_tier_cpu_willneed_warm/file_tier_cpu.json"
+SOAK_CONTROL = {"serve_load_cpu/soak_control/no_ple/soak.json": "no PLE layers",
+                "serve_load_cpu/soak_control/ple/soak.json": "PLE",
+                "serve_load_cpu/soak_control/ple_onednn_cache_off/soak.json": "PLE, oneDNN's primitive cache off"}
 PHASES_AROUND = {"cold": False, "cold_readahead": True}  # bench_file_tier's cold phases: the maps' read-around on
 DEFAULT = "fused, sorted ids (ours, default)"  # bench_lookup's name for the library's path
 OURS_VS_VLLM = partial(serve_decode, "host_int8", "vllm_host_fp8")
@@ -572,6 +586,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             ("serve_load_cpu/bench.json",), partial(load_prefix, "host_int8")),
         Row("soak at concurrency 4, one stream in 10 closed by its client: the RSS of the server's process tree",
             ("serve_load_cpu/soak.json", "serve_load_cpu/soak_20min/soak.json"), load_soak, "flat after the warm-up"),
+        Row("the same 6 min soak back to back: which part grows after the warm-up", tuple(SOAK_CONTROL), load_soak_control,
+            "flat after the warm-up"),
     ]),
     ("PLE lookup (1×H200, 16 384 tokens × 16 heads, sorted ids; GB/s of useful bytes, row + scale a token and head)", [
         Row("12 GB INT8 table of 128-value rows, the library's path", ("bench_lookup.json",),
@@ -653,6 +669,9 @@ SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_A
                    "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
                    "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
                    "suite (again until 0 left; the CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
+SOAK_CALL = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
+             "ple_layer_ids=[])\" && {env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
+             "--input-len 64 --output-len 16 --minutes 6 --sample-s 20 --server-args '--max-model-len 512' --out DIR")
 MEMORY = "python -m benchmarks.bench_serve --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
     "bench_lookup.json": "python -m benchmarks.bench_lookup",
@@ -675,6 +694,8 @@ COMMANDS = {
     **{name: SUITE_H200_CALL for name in H200_034_RUNS},
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
     f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json": SUITE_H200_CALL,
+    **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, ("", "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
+                                                                          ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     "serve_release_session16/memory_full_and_piecewise/bench_serve.json": MEMORY + "full_and_piecewise",
     "serve_release_session24/memory_piecewise/bench_serve.json": MEMORY + "piecewise",
     "serve_release_session26/memory_full_decode_only_compiled/bench_serve.json": MEMORY + "full_decode_only_compiled",
