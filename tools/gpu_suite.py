@@ -44,7 +44,7 @@ def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bo
     return cmd + ["-q", "-rfE", "--budget-s", f"{budget_s:g}", "--results-dir", str(folder), *extra]
 
 
-def test_paths(args: list[str]) -> list[str]:
+def named_paths(args: list[str]) -> list[str]:
     return [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in PATHLESS)]
 
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.code and not (args.list or args.table):
         ap.error("--code names the records to read: a run records this tree's code")
     out = folder(args.results, args.code or code_id(), args.vllm or release())
-    if not test_paths(extra):
+    if not named_paths(extra):
         extra.append("tests")  # pytest reads the records' options from tests/conftest.py only when given a path there
     if args.table:
         print(table(out), end="")
