@@ -669,8 +669,9 @@ SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_A
                    "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
                    "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
                    "suite (again until 0 left; the CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
-SOAK_CALL = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
-             "ple_layer_ids=[])\" && {env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
+NO_PLE = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
+          "ple_layer_ids=[])\" && ")
+SOAK_CALL = ("{env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
              "--input-len 64 --output-len 16 --minutes 6 --sample-s 20 --server-args '--max-model-len 512' --out DIR")
 MEMORY = "python -m benchmarks.bench_serve --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
@@ -694,7 +695,7 @@ COMMANDS = {
     **{name: SUITE_H200_CALL for name in H200_034_RUNS},
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
     f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json": SUITE_H200_CALL,
-    **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, ("", "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
+    **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     "serve_release_session16/memory_full_and_piecewise/bench_serve.json": MEMORY + "full_and_piecewise",
     "serve_release_session24/memory_piecewise/bench_serve.json": MEMORY + "piecewise",
