@@ -51,9 +51,9 @@ kernel time from torch.profiler) and the kernels that take most of it.
         [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
         [--cold-reads] [--rounds 2]
 
-`--cold-reads` (the file-tier variants): before every timed run the checkpoint's pages are forgotten (the tier's maps
-unmapped, then `posix_fadvise(DONTNEED)`: `page_cache.drop_mapped`) and the maps' read-around is off, so a run's
-misses read the drive, each page once; each decode batch reports the bytes its timed runs read from the drive and
+`--cold-reads` (the file-tier variants and vLLM's `vllm_disk_fp8`): before every timed run the checkpoint's pages are
+forgotten (the tier's maps unmapped, then `posix_fadvise(DONTNEED)` on every checkpoint file: `page_cache.drop_mapped`)
+and the maps' read-around is off, so a run's misses read the drive, each page once; each decode batch reports the bytes its timed runs read from the drive and
 their major faults (`decode_reads`; the engine runs in the worker's process).
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
@@ -82,6 +82,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,12 @@ VARIANTS = {
         {"QWEN4_EXP_HCU_DISABLE": "1"},
         {"hf_overrides": {"output_gate_type": "silu"}, "engram_config": {"cpu_offload": False}},
         "bf16",
+    ),
+    # vLLM 0.34's disk tier: no table in memory, each step's rows read from the checkpoint's files
+    "vllm_disk_fp8": (
+        {"QWEN4_EXP_HCU_DISABLE": "1"},
+        {"hf_overrides": {"output_gate_type": "silu"}, "engram_config": {"disk_offload": True}},
+        "fp8",
     ),
 }
 # name: (environment, compilation_config entries, enforce_eager)
@@ -347,7 +354,8 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace, vocab_
 
 def forget_file_pages(model) -> int:
     """`--cold-reads`: every file-tier table's pages forgotten (`page_cache.drop_mapped`) and its maps' read-around
-    off, so the next run's misses read the drive, each page once; returns how many tables it found."""
+    off, so the next run's misses read the drive, each page once; returns how many tables it found. (vLLM's
+    `disk_offload` maps nothing: `forget_checkpoint_pages` drops its files' pages.)"""
     import torch
 
     from benchmarks.page_cache import drop_mapped, read_around
@@ -362,10 +370,21 @@ def forget_file_pages(model) -> int:
     return len(tiers)
 
 
-def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: bool = False, reads: list | None = None) -> tuple[float, float | None, float]:
+def forget_checkpoint_pages(llm, checkpoint: str) -> None:
+    """`--cold-reads` for any class: the file tier's maps dropped (`forget_file_pages`), then every page of the
+    checkpoint's files (vLLM's `disk_offload` reads them with `preadv`)."""
+    from benchmarks.common import drop_page_cache
+
+    llm.apply_model(forget_file_pages)
+    for f in Path(checkpoint).glob("*.safetensors"):
+        drop_page_cache(f)
+
+
+def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, reads: list | None = None) -> tuple[float, float | None, float]:
     """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
-    one-token requests) and their median prefill seconds (`prefill_time`). `cold`: the file tier's pages forgotten
-    before each run (`forget_file_pages`, untimed); `reads` gets each run's drive reads (`page_cache.IOCount`)."""
+    one-token requests) and their median prefill seconds (`prefill_time`). `cold`: the checkpoint whose pages are
+    forgotten before each run (`forget_checkpoint_pages`, untimed); `reads` gets each run's drive reads
+    (`page_cache.IOCount`)."""
     import torch
     from vllm import SamplingParams
 
@@ -375,7 +394,7 @@ def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: bool = False, reads: 
     times, steps, prefills = [], [], []
     for _ in range(repeats):
         if cold:
-            llm.apply_model(forget_file_pages)
+            forget_checkpoint_pages(llm, cold)
         torch.cuda.synchronize()
         t, before = time.perf_counter(), IOCount.now()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -396,9 +415,9 @@ def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
     for b in args.batches:
         prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
         timed(llm, prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-        prefill_only, _, _ = timed(llm, prompts, 1, cold=args.cold_reads)
+        prefill_only, _, _ = timed(llm, prompts, 1, cold=args.checkpoint if args.cold_reads else None)
         reads = []
-        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=args.cold_reads, reads=reads)
+        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=args.checkpoint if args.cold_reads else None, reads=reads)
         decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
         fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
         drive[b] = {"runs": len(reads), "drive_read_bytes": sum(r.read_bytes for r in reads),
@@ -656,7 +675,8 @@ def decode_ratios(results: dict) -> dict:
         name, at, kind = key.partition("#")[0].partition("@")
         if name not in ours:
             continue
-        for ref in ("host_int8", "host_int8_sync", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16"):
+        for ref in ("host_int8", "host_int8_sync", "host_int8_piecewise", "gpu_int8", "vllm_host_bf16", "vllm_host_fp8", "vllm_gpu_bf16",
+                    "vllm_disk_fp8"):
             ref += key[len(name):]
             if key != ref and all("decode_tokens_per_s" in results.get(k, {}) for k in (key, ref)):
                 ours_rate, ref_rate = results[key]["decode_tokens_per_s"], results[ref]["decode_tokens_per_s"]
@@ -675,12 +695,20 @@ def ratio_rounds(ratios: dict) -> dict:
 
 
 def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
-    """Write the JSON (variants measured in an earlier run and not re-run are kept) and the PNG."""
+    """Write the JSON (variants measured in an earlier run and not re-run are kept, and the commands that measured
+    them) and the PNG."""
+    from benchmarks.common import commit
+
     out.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.bench_serve " + shlex.join(sys.argv[1:])
+    commands = [command]
     if (out / "bench_serve.json").exists():
-        results = {**json.loads((out / "bench_serve.json").read_text())["results"], **results}
+        before = json.loads((out / "bench_serve.json").read_text())
+        results = {**before["results"], **results}
+        commands = [c for c in before.get("commands", []) if c != command] + commands
     ratios = decode_ratios(results)
-    doc = {"machine": versions(), "model": model, "engine": engine_config(model["num_hidden_layers"]), "decode": [DECODE_PROMPT, DECODE_TOKENS],
+    doc = {"commands": commands, "commit": commit(),
+           "machine": versions(), "model": model, "engine": engine_config(model["num_hidden_layers"]), "decode": [DECODE_PROMPT, DECODE_TOKENS],
            "graph_mode": graph_mode, "results": results, "decode_ratios": ratios, "decode_ratio_rounds": ratio_rounds(ratios)}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
@@ -718,8 +746,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cold", action="store_true", help="drop the checkpoint's pages from the page cache before "
                         "each engine starts (posix_fadvise): start-up and the file tier's first reads from disk; "
                         "reported as VARIANT@cold")
-    parser.add_argument("--cold-reads", action="store_true", help="the file tier's pages forgotten before every timed "
-                        "run and read-around off: its misses read the drive (decode_reads: the runs' drive bytes); "
+    parser.add_argument("--cold-reads", action="store_true", help="the checkpoint's pages forgotten before every timed "
+                        "run and the file tier's read-around off: its misses (and vLLM's disk_offload) read the drive (decode_reads: the runs' drive bytes); "
                         "reported as VARIANT@cold-reads")
     parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
                         help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
@@ -727,6 +755,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="start the variants' engines this many times, in turn "
                         "(A B A B): rounds after the first are reported as VARIANT#ROUND, and each ratio's spread over the "
                         "rounds as decode_ratio_rounds")
+    parser.add_argument("--first-round", type=int, default=1, help="the first round's number: a later call's rounds "
+                        "added to the same --out (reported as VARIANT#ROUND from round 2)")
     parser.add_argument("--down-silu", help="host_int8_down_launch's launch: a sweep label, e.g. rows_n1_w4")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -786,7 +816,7 @@ def main() -> None:
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
     results = {}
-    for round_, name in itertools.product(range(1, args.rounds + 1), args.variants):
+    for round_, name in itertools.product(range(args.first_round, args.first_round + args.rounds), args.variants):
         for kind, r in run_variant(name, checkpoints[VARIANTS[name][2]], workdir, args).items():
             key = (name if len(args.prompts) == 1 or kind == "any" else f"{name}@{kind}") + ("@cold" if args.cold else "")
             key += "@cold-reads" if args.cold_reads else ""

@@ -719,6 +719,8 @@ def _recorded(name: str, doc: dict) -> list[str]:
         return [COMMANDS[name]]
     if "command" in doc:
         return [doc["command"]]
+    if "commands" in doc:
+        return doc["commands"]
     if "calls" in doc:
         return [re.split(r"\s{2,}[#(]", call)[0] for call in doc["calls"]]
     if "test" in doc:

@@ -204,3 +204,35 @@ def test_cold_reads_forget_the_file_tiers_pages(tmp_path):
     before = IOCount.now()
     table.lookup(ids)
     assert (IOCount.now() - before).major_faults > 0
+
+
+@pytest.mark.cpu_only
+def test_cold_reads_forget_every_checkpoint_file(tmp_path):
+    """`forget_checkpoint_pages` (`--cold-reads` for every variant, vLLM's `disk_offload` included, which reads the
+    files with `preadv` and maps nothing): after it, reading a checkpoint file again reads the drive."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from benchmarks.page_cache import IOCount
+
+    path = tmp_path / "model-00001-of-00001.safetensors"
+    save_file({"t": torch.randint(-128, 127, (8 << 20,), dtype=torch.int8)}, str(path))
+
+    def read_all() -> int:
+        before = IOCount.now()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, 1 << 20):
+                pass
+        finally:
+            os.close(fd)
+        return (IOCount.now() - before).read_bytes
+
+    read_all()
+    assert read_all() == 0
+    llm = SimpleNamespace(apply_model=lambda fn: [fn(SimpleNamespace(model=SimpleNamespace(ple_blocks=[])))])
+    bench_serve.forget_checkpoint_pages(llm, str(tmp_path))
+    assert read_all() >= 4 << 20

@@ -11,7 +11,8 @@
 #                                  default full_decode_only; PROMPTS: default uniform)  -> $OUT/serve
 #                                  DOWN_SILU: host_int8_down_launch's launch, a sweep label, or best16: the last hc
 #                                  sweep's fastest launch at 16 tokens inside the block (kept under /tmp while the
-#                                  machine is warm)
+#                                  machine is warm); SERVE_ARGS: more flags (e.g. "--cold-reads --first-round 2");
+#                                  SERVE_OUT: a folder under /tmp that later calls add their rounds to (copied to $OUT)
 #   load                           benchmarks/serve_load.py at the release geometry: `vllm serve` per variant (VARS, each on
 #                                  the checkpoint of its table kind) with configs/serve_load_h200.yaml, driven by vLLM's
 #                                  harness (LOAD=bench, the default) or soaked (LOAD=soak, 6 min); LOAD_ARGS: more flags
@@ -82,7 +83,9 @@ PY
              && echo "best16: $DOWN_SILU"
          fi
          python3 -m benchmarks.bench_serve $B --graph-mode "${MODE:-full_decode_only}" --prompts ${PROMPTS:-uniform} \
-           ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS --out "$OUT/serve" 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
+           ${DOWN_SILU:+--down-silu "$DOWN_SILU"} --variants $VARS $SERVE_ARGS --out "${SERVE_OUT:-$OUT/serve}" 2>&1 \
+           | grep -v "^INFO\|^WARNING\|^\[" | cut -c1-600 | tail -30
+         [ -n "$SERVE_OUT" ] && cp -r "$SERVE_OUT" "$OUT/serve"
          for f in "$W"/*.log; do echo "--- $f"; grep -i "error\|Traceback" "$f" | tail -5; done ;;
   load) if [[ " $VARS" == *" vllm_"* ]] && [ -z "$DSL_READY" ]; then echo "vLLM's class needs the CuTe DSL: stash it first" >&2; exit 3; fi
         v=(); for name in $VARS; do v+=("$name=$W/bench-${name##*_}"); done  # host_int8 -> bench-int8, vllm_host_fp8 -> bench-fp8
