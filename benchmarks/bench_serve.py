@@ -343,6 +343,10 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace, vocab_
             path = Path(checkpoint).parent / f"calibration_{share:g}.safetensors"
             save_tokens(calibration_tokens(int(share * rows), vocab_size), path)
             additional_config["qwen4_exp_hcu"]["host_table_calibration"] = str(path)
+    if env.get("QWEN4_EXP_HCU_DISABLE"):
+        from benchmarks.common import upstream_padding_shard_passes
+
+        upstream_padding_shard_passes()
     llm = LLM(model=checkpoint, **{**base, **engine, "additional_config": additional_config,
                                    "compilation_config": compilation_config}, enforce_eager=eager, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0

@@ -23,6 +23,11 @@ PROMPTS = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 13, 17, 19, 23],
 def run_engine(ckpt: str, eager: bool) -> dict:
     from vllm import LLM, SamplingParams
 
+    from benchmarks.common import upstream_padding_shard_passes
+
+    if os.environ.get("QWEN4_EXP_HCU_DISABLE") == "1":
+        upstream_padding_shard_passes()
+
     # upstream's class requires `output_gate_type` spelled out, as the releases do ("sigmoid"); transformers and
     # ours resolve an unset one to `hidden_act`: both sides get the release's value
     llm = LLM(model=ckpt, max_model_len=256, enforce_eager=eager, hf_overrides={"output_gate_type": "sigmoid"}, **GPU_ENGINE)
@@ -47,8 +52,8 @@ def main() -> None:
         return
     for side in ("upstream", "ours"):
         env = {**os.environ, "QWEN4_EXP_HCU_DISABLE": "1" if side == "upstream" else "0"}
-        cmd = [sys.executable, __file__, args.ckpt, "--out", str(out), "--side", side] + (["--eager"] if args.eager else [])
-        rc = subprocess.run(cmd, env=env).returncode
+        cmd = [sys.executable, "-m", "benchmarks.peer_logprobs", args.ckpt, "--out", str(out), "--side", side]
+        rc = subprocess.run(cmd + (["--eager"] if args.eager else []), env=env, cwd=Path(__file__).parents[1]).returncode
         print(f"{side}: exit {rc}", flush=True)
     sides = {s: json.loads((out / f"{s}.json").read_text()) for s in ("upstream", "ours") if (out / f"{s}.json").exists()}
     report = {"classes": {s: d["class_module"] for s, d in sides.items()}}

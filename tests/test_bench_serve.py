@@ -236,3 +236,27 @@ def test_cold_reads_forget_every_checkpoint_file(tmp_path):
     llm = SimpleNamespace(apply_model=lambda fn: [fn(SimpleNamespace(model=SimpleNamespace(ple_blocks=[])))])
     bench_serve.forget_checkpoint_pages(llm, str(tmp_path))
     assert read_all() >= 4 << 20
+
+
+@pytest.mark.cpu_only
+def test_upstreams_padding_shard_passes_and_nothing_else(monkeypatch):
+    """`upstream_padding_shard_passes`: vLLM 0.34's loader check drops only the hyper-connection's padding shard; a
+    real shard nothing loaded (here the block-inject shard, 1) is still reported, and other layers are untouched."""
+    from vllm.model_executor.layers import linear
+
+    from benchmarks.common import upstream_padding_shard_passes
+
+    class Stacked:
+        def __init__(self, prefix, missing):
+            self.prefix, self.output_sizes, self.missing = prefix, [320, 4, 12], missing
+
+        def pop_missing_shards(self):
+            return self.missing
+
+    monkeypatch.setattr(linear, "StackedColumnParallelLinear", Stacked, raising=False)
+    assert upstream_padding_shard_passes()
+    hc = "model.layers.0.attn_hyper_connection.input_mix_weight_down_block_inject"
+    assert Stacked(hc, [f"{hc}.weight.2"]).pop_missing_shards() == []
+    assert Stacked(hc, [f"{hc}.weight.1", f"{hc}.weight.2"]).pop_missing_shards() == [f"{hc}.weight.1"]
+    assert Stacked("model.layers.0.mlp.gate_up_proj", ["x.weight.2"]).pop_missing_shards() == ["x.weight.2"]
+    assert not upstream_padding_shard_passes()  # once
