@@ -168,6 +168,19 @@ def serve_memory(docs: list[dict]) -> Cells:
     return Cells("; ".join(parts) + "; 1 round each")
 
 
+def serve_reads(variants: tuple[str, ...], docs: list[dict]) -> Cells:
+    """MB the drive read in one timed decode run (`--cold-reads`' `decode_reads`) per batch, and the file tier's
+    resident rows against its slots where it reports them."""
+    res, parts = docs[0]["results"], []
+    for v in variants:
+        reads = res[v]["decode_reads"]
+        mb = " / ".join(num(r["drive_read_bytes"] / r["runs"] / 1e6, 0) for r in reads.values())
+        filled = re.search(r"(\d+)/(\d+) rows resident", " ".join(res[v]["bytes"]["ple_tables"]))
+        slots = f" ({num(int(filled[1]), 0)} of {num(int(filled[2]), 0)} slots filled)" if filled else ""
+        parts.append(f"`{v.partition('@')[0]}` {mb} MB{slots}")
+    return Cells(f"b = {labels(reads)}: " + "; ".join(parts) + "; 1 round")
+
+
 # Serving under load: benchmarks/serve_load.py (vLLM's own harness, `vllm bench serve`, and a soak)
 
 
@@ -498,6 +511,11 @@ H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # and an H200's
 H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("20261205T125253", "20261205T130021",
                                                                        "20261205T130808", "20261205T131643"))
 FDO22 = "serve_release_files_fdo_session22/"
+S034 = "serve_release_034_disk_tiers/bench_serve.json"
+S034_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 PROMPTS=text SERVE_OUT=/tmp/sbs SERVE_ARGS='--cold-reads "
+             "--timeout 240' VARS='host_int8 vllm_disk_fp8' bash tools/gpu_session.sh write serve, then the same `serve` "
+             "with VARS='host_int8 host_int8_files20_calibrated' and with VARS=vllm_host_fp8 (one warm machine; the CuTe "
+             "DSL stashed first: tools/gpu_cute_dsl.sh)")
 WILLNEED = "file_tier_cpu_willneed/file_tier_cpu.json"
 WILLNEED_WARM = "file_tier_cpu_willneed_warm/file_tier_cpu.json"
 SOAK_CONTROL = {"serve_load_cpu/soak_control/no_ple/soak.json": "no PLE layers",
@@ -532,6 +550,23 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("host bytes of the PLE table: ours (INT8 rows + bf16 scale) / vLLM's class (BF16)",
             (S30 + "ours_pair/bench_serve.json", S30 + "vllm_bf16/bench_serve.json"),
             partial(serve_bytes, "host_int8", "vllm_host_bf16", "ple_host"), "≤ 0.51× (target)"),
+    ]),
+    ("vLLM 0.34 (1×H200, `FULL_DECODE_ONLY`, the release geometry, text prompts; before every timed run every page of "
+     "the checkpoint's files dropped, `--cold-reads`: file reads reach the drive)", [
+        Row("decode: ours (host INT8) / vLLM 0.34's class (host FP8)", (S034,),
+            partial(serve_decode, "host_int8@cold-reads", "vllm_host_fp8@cold-reads"), PARITY),
+        Row("prefill, one prompt: ours (host INT8) / vLLM 0.34's class (host FP8)", (S034,),
+            partial(serve_prefill, "host_int8@cold-reads", "vllm_host_fp8@cold-reads"), PARITY),
+        Row("decode: our file tier, a 20 % budget whose every slot a calibration stream filled at start / the whole "
+            "table pinned", (S034,),
+            partial(serve_decode, "host_int8_files20_calibrated@cold-reads", "host_int8@cold-reads"), "≥ 0.9× (target)"),
+        Row("decode: our file tier at 20 % / vLLM 0.34's `disk_offload` (no table in memory; each step's rows read "
+            "with `preadv` after a GPU sync)", (S034,),
+            partial(serve_decode, "host_int8_files20_calibrated@cold-reads", "vllm_disk_fp8@cold-reads"),
+            "≥ 1.5× (target)"),
+        Row("what one timed decode run (64 tokens) read from the drive", (S034,),
+            partial(serve_reads, ("host_int8_files20_calibrated@cold-reads", "vllm_disk_fp8@cold-reads")),
+            "the drive's 4 KiB random-read rate: not measured on the H200 yet"),
     ]),
     ("Serving: the table in pinned host memory against the table on the GPU (1×H200, host / GPU)", [
         Row("decode, breakable: host INT8 / GPU INT8, the TP4 rank's 13 GB table",
@@ -697,6 +732,7 @@ COMMANDS = {
     f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json": SUITE_H200_CALL,
     **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
+    S034: S034_CALL,
     "serve_release_session16/memory_full_and_piecewise/bench_serve.json": MEMORY + "full_and_piecewise",
     "serve_release_session24/memory_piecewise/bench_serve.json": MEMORY + "piecewise",
     "serve_release_session26/memory_full_decode_only_compiled/bench_serve.json": MEMORY + "full_decode_only_compiled",

@@ -122,7 +122,7 @@ def plan(cfg, tokens: int, gpus_per_node: int = 8, hot_rows_bytes: int = 0, host
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # bench_serve's file-tier variants (resident rows following the traffic, or calibrated), by prompt source
-FILES_VARIANT = re.compile(r"^host_int8_files(\d+)(_calibrated)?(@\w+)?$")
+FILES_VARIANT = re.compile(r"^host_int8_files(\d+)(_calibrated)?((?:@[\w-]+)*)$")  # @SOURCE, @cold-reads
 SAME_SHARE = 0.005  # a measured share this close to a budget's counts as measured at it
 
 
@@ -178,11 +178,11 @@ def measured_decode(results: Path = RESULTS) -> list[dict]:
         for key, r in doc["results"].items():
             if not (m := FILES_VARIANT.match(key)) or "decode_tokens_per_s" not in r:
                 continue
-            whole = f"host_int8{m[3] or ''}"
+            whole = f"host_int8{m[3]}"
             ref = next(((n, docs[n]["results"][whole]) for n in refs if whole in docs[n]["results"]), None)
             ratios = {b: v / ref[1]["decode_tokens_per_s"][b] for b, v in r["decode_tokens_per_s"].items()} if ref else None
-            found.append({"file": name, "variant": key, "share": int(m[1]) / 100, "prompts": (m[3] or "@uniform")[1:],
-                          "calibrated": bool(m[2]),
+            found.append({"file": name, "variant": key, "share": int(m[1]) / 100, "prompts": r.get("prompts", "uniform"),
+                          "calibrated": bool(m[2]), "cold_reads": "@cold-reads" in m[3],
                           "gpu": doc.get("machine", {}).get("gpu"), "graph_mode": doc.get("graph_mode"),
                           "decode_tokens_per_s": r["decode_tokens_per_s"], "whole_table_file": ref and ref[0],
                           "decode_vs_whole_table": ratios, **_described(r)})  # fmt: skip
@@ -263,7 +263,8 @@ def describe_measurement(m: dict) -> str:
     bound = ("" if slots is None else f"; {resident:,} of {slots:,} slots resident"
              + (": the budget bound" if resident == slots else ": the budget did not bind"))  # fmt: skip
     rows = f", a table of {m['table_rows']:,} rows" if m["table_rows"] else ""
-    return (f"{m['share']:.0%} resident{' (calibrated)' if m['calibrated'] else ''}, {m['prompts']} prompts: decode b = {' / '.join(m['decode_tokens_per_s'])}: "
+    return (f"{m['share']:.0%} resident{' (calibrated)' if m['calibrated'] else ''}, {m['prompts']} prompts"
+            f"{', misses read from the drive' if m.get('cold_reads') else ''}: decode b = {' / '.join(m['decode_tokens_per_s'])}: "
             f"{ratios}x the whole table pinned ({m['gpu']}, {m['graph_mode']}{rows}; {m['file']}"
             + (f" and {m['whole_table_file']}" if m["whole_table_file"] not in (None, m["file"]) else "") + f"){bound}")
 

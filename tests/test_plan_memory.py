@@ -30,6 +30,8 @@ def test_the_committed_serving_results_are_read_with_their_files_and_slots(measu
         assert set(m["decode_vs_whole_table"]) == set(m["decode_tokens_per_s"]) and m["table_rows"] > 0
         resident, slots = m["resident_slots"]
         assert 0 < resident <= slots and (resident == slots or m["share"] < 1)
+    cold = [m for m in measured if m["cold_reads"]]  # against the pinned table's engine of the same cold-read run
+    assert cold and all(m["calibrated"] and m["whole_table_file"] == m["file"] for m in cold)
 
 
 def test_ram_that_holds_the_table_sets_no_budget(measured):
