@@ -38,7 +38,9 @@ into staging, timed in the same phase), the share of ids served by resident rows
 lookups' misses touched, the major faults (touches the cache did not hold), the hit rate, and the bytes read from
 the drive (`/proc/self/io`, read-around included). `drive` holds the drive's own 4 KiB random-read rate over the
 shard files (O_DIRECT, one read at a time and 16: `page_cache.random_read_rate`), the limit of reads that miss.
-On an accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--hot-rows-share S` (an
+On an accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--disk-offload-reference`: in the cold phase, every step's owned rows also
+read as vLLM 0.34's `disk_offload` reads them (`page_cache.PreadvRows`; none resident), reported with
+`ask_pages_first` "vllm_disk_offload". `--hot-rows-share S` (an
 accelerator): a GPU hot-row cache of S of the rows in front of every file-tier table, filled from the calibration
 ids first; the resident rows then come from the calibration ids it does not serve (results carry `hot_rows`, files
 `file_tier_{device}_hot.*`). Writes JSON + PNG into `--out`.
@@ -63,8 +65,8 @@ import torch
 
 from benchmarks.common import (DIM, HEADS, REAL_VOCAB, SHARDS, bench_config, commit, drop_page_cache, load_table, save,
                                token_streams, write_table)  # fmt: skip
-from benchmarks.page_cache import (IOCount, cache_report, drop_mapped, mapped_read_rate, pages_needed, random_read_rate,
-                                   read_around)  # fmt: skip
+from benchmarks.page_cache import (IOCount, PreadvRows, cache_report, drop_mapped, mapped_read_rate, pages_needed,
+                                   random_read_rate, read_around)  # fmt: skip
 from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileTier, resident_slots
 from qwen4_exp_hcu.ple.tiers.stager import ASK_PAGES_FIRST
@@ -77,6 +79,7 @@ SHARES = (1.0, 0.5, 0.2, 0.05)
 PHASES = {"cold": (True, False), "cold_readahead": (True, True), "warm": (False, True)}
 PROBE_DEPTHS = (1, 16)  # reads in flight: one (a fault's) and enough to show the drive's parallel rate
 ASK_FIRST = FileTier.__dataclass_fields__["ask_pages_first"].default  # the tier's own
+DISK_OFFLOAD = "vllm_disk_offload"  # `--disk-offload-reference`'s row: vLLM 0.34's reads (`page_cache.PreadvRows`)
 
 
 def waiter(ids: torch.Tensor):
@@ -110,6 +113,12 @@ def staging(table: PLETable) -> Callable[[torch.Tensor], object]:
     return stage
 
 
+def all_owned(table: PLETable, ids: torch.Tensor) -> np.ndarray:
+    """The owned rows of one lookup, distinct: what a tier that keeps none resident reads."""
+    local = ids.reshape(-1).cpu().numpy() - table.start
+    return np.unique(local[(local >= 0) & (local < table.file_rows.n)])
+
+
 def misses(table: PLETable, ids: torch.Tensor) -> np.ndarray:
     """The owned rows of one lookup that are read from the files: neither resident nor in the GPU hot-row cache."""
     local = ids.reshape(-1).cpu() - table.start
@@ -136,6 +145,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="every phase of every table, interleaved, this often")
     ap.add_argument("--probe-reads", type=int, default=8192, help="4 KiB reads of the drive probe (0: none)")
     ap.add_argument("--hot-rows-share", type=float, default=0.0, help="GPU hot-row cache, share of the rows")
+    ap.add_argument("--disk-offload-reference", action="store_true", help="in the cold phase, also every step's rows "
+                    "read as vLLM 0.34's disk_offload reads them (none resident; results with ask_pages_first "
+                    f"{DISK_OFFLOAD!r})")
     ap.add_argument("--label", help="what the JSON says the machine and its drive are")
     ap.add_argument("--dir", default="/tmp/file-tier")
     ap.add_argument("--out", default="benchmarks/results")
@@ -239,6 +251,21 @@ def measure_phase(table: PLETable, steps: list[torch.Tensor], phase: str, drop: 
         read_around(shards, True)
 
 
+def measure_preadv(reader: PreadvRows, table: PLETable, steps: list[torch.Tensor], drop: Callable[[], None]) -> dict:
+    """One round of the steps read as vLLM 0.34's `disk_offload` reads them (`page_cache.PreadvRows`: every owned row,
+    none resident), cold: the files' pages dropped before each step, untimed."""
+    before, seconds = IOCount.now(), []
+    for ids in steps:
+        local = ids.reshape(-1).cpu().numpy() - table.start
+        local = local[(local >= 0) & (local < table.file_rows.n)]
+        drop()
+        t = time.perf_counter()
+        reader.read(local)
+        seconds.append(time.perf_counter() - t)
+    s = statistics.median(seconds)
+    return {"s": s, "staging_s": s, "io": IOCount.now() - before, "pages_asked": 0}
+
+
 def summary(rounds: list[dict], pages: int) -> dict:
     """A phase's rounds: seconds as the median with min, max and every round; the drive's reads of the median round
     against `pages`, the pages the misses touch."""
@@ -267,14 +294,20 @@ def measure_share(run: Setup, stream: str, share: float, steps: list[torch.Tenso
     pages = sum(pages_needed(rows.shards, misses(table, s)) for s in steps)
     drop = partial(drop_mapped, *(t.file_rows.shards for t, _ in tables.values()))
     rounds = {(phase, ask): [] for phase in run.phases for ask in tables}
+    reader = PreadvRows(rows.shards) if run.args.disk_offload_reference and "cold" in run.phases else None
+    if reader:
+        rounds["cold", DISK_OFFLOAD] = []
     for _ in range(run.args.rounds):
         for phase, ask in rounds:  # phase by phase, the tables in turn within each
-            rounds[phase, ask].append(measure_phase(tables[ask][0], steps, phase, drop))
+            measured = measure_preadv(reader, table, steps, drop) if ask == DISK_OFFLOAD else measure_phase(tables[ask][0], steps, phase, drop)
+            rounds[phase, ask].append(measured)
+    if reader:
+        reader.close()
     results = []
     for (phase, ask), measured in rounds.items():
-        m = summary(measured, pages)
+        m = summary(measured, pages if ask != DISK_OFFLOAD else sum(pages_needed(rows.shards, all_owned(table, s)) for s in steps))
         results.append(dict(stream=stream, share=share, phase=phase, ask_pages_first=ask, **m, gbps=run.useful / m["s"] / 1e9,
-                            vs_whole=base / m["s"], resident_hits=hits, calibration_served=served,
+                            vs_whole=base / m["s"], resident_hits=hits if ask != DISK_OFFLOAD else 0.0, calibration_served=served,
                             resident_rows=rows.filled, slots=rows.slots, hot_rows=run.args.hot_rows_share,
                             gpu_hits=gpu_hits))  # fmt: skip
         print(describe(results[-1], base), flush=True)
@@ -328,6 +361,7 @@ def report(run: Setup, results: list[dict], drive: dict) -> dict:
                    + f" --ask-pages-first {' '.join(args.ask_pages_first)}"
                    + f" --rounds {args.rounds} --probe-reads {args.probe_reads}"
                    + (f" --hot-rows-share {args.hot_rows_share:g}" if args.hot_rows_share else "")
+                   + (" --disk-offload-reference" if args.disk_offload_reference else "")
                    + (f" --label {shlex.quote(args.label)}" if args.label else ""),
         "commit": commit(),
         "machine": {"device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",

@@ -63,6 +63,40 @@ def pages_needed(shards: MappedShards, rows: np.ndarray) -> int:
     return pages
 
 
+class PreadvRows:
+    """vLLM 0.34's `disk_offload` way of reading a step's rows (`Qwen4ExpPLEDiskOffloadEmbedding._read_rows`), over
+    the same files as a file-tier table's maps: every distinct row of the step (it keeps none resident), sorted,
+    `POSIX_FADV_WILLNEED` on each run of adjacent pages, then one `preadv` a row and part, one thread. The reference
+    the file tier's misses are read against, cold, on one machine."""
+
+    def __init__(self, shards: MappedShards) -> None:
+        self.shards = shards
+        self.fds = {path: os.open(path, os.O_RDONLY) for path in {m.filename for m in _maps(shards)}}
+        self.buf = {part: bytearray(size) for part, size in shards.row_bytes.items()}
+
+    def read(self, rows: np.ndarray, out: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Read every distinct owned row of `rows` (local ids), each part, into `out[part]` (`[rows, bytes]`, in
+        the order returned) or a scratch row; returns the distinct rows, sorted."""
+        glob = np.unique(rows) + self.shards.start
+        shard = glob // self.shards.shard_rows
+        for part, buf in self.buf.items():
+            size = len(buf)
+            fd = np.array([self.fds[self.shards.maps[j][part].filename] for j in shard.tolist()])
+            start = np.array([self.shards.maps[j][part].offset for j in shard.tolist()]) + (glob - shard * self.shards.shard_rows) * size
+            first, last = start // PAGE, (start + size - 1) // PAGE
+            run = np.ones(first.size, dtype=bool)
+            run[1:] = (first[1:] > last[:-1] + 1) | (fd[1:] != fd[:-1])
+            for f, lo, hi in zip(fd[run].tolist(), first[run].tolist(), last[np.roll(run, -1)].tolist()):
+                os.posix_fadvise(f, lo * PAGE, (hi - lo + 1) * PAGE, os.POSIX_FADV_WILLNEED)
+            for i, (f, at) in enumerate(zip(fd.tolist(), start.tolist())):
+                os.preadv(f, [buf if out is None else out[part][i]], at)
+        return glob - self.shards.start
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
 @dataclass(frozen=True)
 class IOCount:
     """This process's reads that reached the storage layer (`/proc/self/io` read_bytes: a fault's read-around

@@ -18,14 +18,21 @@ def test_the_benchmark_reports_every_budget_filled_and_the_cold_reads(tmp_path, 
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["bench", "--table-gb", "0.01", "--steps", "2", "--tokens", "16", "--calib-tokens",
                                       "2048", "--probe-reads", "64", "--ask-pages-first", "never", "after_a_fault",
-                                      "--rounds", "2", "--dir", str(tmp_path / "t"), "--out", str(out)])  # fmt: skip
+                                      "--rounds", "2", "--disk-offload-reference", "--dir", str(tmp_path / "t"),
+                                      "--out", str(out)])  # fmt: skip
     bench_file_tier.main()
     report = json.loads((out / "file_tier_cpu.json").read_text())
     tiered = [r for r in report["results"] if r["phase"] != "whole"]
+    preadv = [r for r in tiered if r["ask_pages_first"] == bench_file_tier.DISK_OFFLOAD]
+    tiered = [r for r in tiered if r not in preadv]
     assert {(r["stream"], r["share"], r["phase"], r["ask_pages_first"]) for r in tiered} == {
         (s, share, p, a) for s in ("uniform", "zipf1.1", "text") for share in bench_file_tier.SHARES for p in ("cold", "warm")
         for a in ("never", "after_a_fault")
     }
+    # vLLM 0.34's reads, cold only: every owned row from the drive, none resident
+    assert {(r["stream"], r["share"], r["phase"]) for r in preadv} == {
+        (s, share, "cold") for s in ("uniform", "zipf1.1", "text") for share in bench_file_tier.SHARES}
+    assert all(r["resident_hits"] == 0 and r["pages_needed"] > 0 and r["drive_read_bytes"] > 0 for r in preadv)
     assert all(len(r["s_rounds"]) == 2 and r["s_min"] <= r["s"] <= r["s_max"] for r in tiered)
     # 2 048 tokens hold fewer rows than the 50 % budget's slots: uniform filler makes up the rest, so every budget binds
     assert all(c["distinct_rows"] >= c["rows_needed"] > 0 and c["uniform_filler_tokens"] > 0 for c in report["calibration"].values())
@@ -65,3 +72,31 @@ def test_the_mapped_probe_reads_cold_pages_one_fault_each_or_all_asked_for_first
         assert (r["reads"], r["prefetch"]) == (32, prefetch) and r["pages_per_s"] > 0
         assert r["drive_read_bytes"] > 0  # the file's pages were dropped: the touches read the drive
         assert 0 < r["major_faults"] <= 32 if not prefetch else r["major_faults"] <= 32  # queued first: found in the cache
+
+
+@pytest.mark.cpu_only
+def test_preadv_rows_reads_the_rows_the_maps_hold(tmp_path):
+    """`page_cache.PreadvRows` (vLLM 0.34's `disk_offload` reads, the file tier's reference): the bytes it reads for
+    each distinct row and part are the row's bytes in the file, sorted by row, across shards."""
+    from benchmarks.common import DIM, HEADS, bench_config, load_table, write_table
+    from qwen4_exp_hcu.ple.hashing import NgramHashSpec
+    from qwen4_exp_hcu.ple.storage import PLEStorage
+    from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
+    from qwen4_exp_hcu.ple.tiers.file_rows import FileTier
+
+    spec = NgramHashSpec.from_config(bench_config(20_000, HEADS // 2, DIM), 0)
+    shard_rows = -(-spec.rows // 4)
+    write_table(tmp_path, spec.rows, shard_rows)
+    table = load_table(tmp_path, spec.rows, shard_rows, PLEStorage("int8", host=True, file_tier=FileTier(CheckpointFiles(tmp_path), 0)))
+    shards = table.file_rows.shards
+    rows = np.random.default_rng(0).integers(0, spec.rows, 300)
+    rows[:3] = (0, shard_rows - 1, spec.rows - 1)  # both ends of a shard and the table's last row
+    reader = page_cache.PreadvRows(shards)
+    n = np.unique(rows).size
+    out = {part: np.zeros((n, size), dtype=np.uint8) for part, size in shards.row_bytes.items()}
+    got = reader.read(rows, out)
+    reader.close()
+    assert np.array_equal(got, np.unique(rows))
+    for part in shards.row_bytes:
+        want = np.stack([shards.maps[int(r // shard_rows)][part][int(r % shard_rows)] for r in got])
+        assert np.array_equal(out[part], want), part
