@@ -51,10 +51,11 @@ kernel time from torch.profiler) and the kernels that take most of it.
         [--geometry release --table-gb 13] [--graph-mode full_decode_only] [--memory-only] [--prompts text] [--cold]
         [--cold-reads] [--rounds 2]
 
-`--cold-reads` (the file-tier variants and vLLM's `vllm_disk_fp8`): before every timed run the checkpoint's pages are
-forgotten (the tier's maps unmapped, then `posix_fadvise(DONTNEED)` on every checkpoint file: `page_cache.drop_mapped`)
-and the maps' read-around is off, so a run's misses read the drive, each page once; each decode batch reports the bytes its timed runs read from the drive and
-their major faults (`decode_reads`; the engine runs in the worker's process).
+`--cold-reads` (the file-tier variants and vLLM's `vllm_disk_fp8`): before every timed run, decode and prefill, the
+checkpoint's pages are forgotten (the tier's maps unmapped, then `posix_fadvise(DONTNEED)` on every checkpoint file:
+`page_cache.drop_mapped`) and the maps' read-around is off, so a run's misses read the drive, each page once; each
+decode batch reports the bytes its timed runs read from the drive and their major faults (`decode_reads`; the engine
+runs in the worker's process).
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
@@ -432,12 +433,13 @@ def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
             "decode_reads": drive}, profiles  # fmt: skip
 
 
-def measure_prefill(llm, prompt) -> dict:
-    """Per prompt length: tokens/s from scheduling to the first token (`prefill_time`) and by wall clock."""
+def measure_prefill(llm, prompt, cold: str | None = None) -> dict:
+    """Per prompt length: tokens/s from scheduling to the first token (`prefill_time`) and by wall clock; `cold`
+    (`--cold-reads`): the checkpoint whose pages are forgotten before each timed run."""
     prefill, prefill_wall = {}, {}
     for n in PREFILL_LENGTHS:
         timed(llm, [prompt(n)], 1, repeats=1)  # warm-up
-        wall, _, engine_s = timed(llm, [prompt(n)], 1)
+        wall, _, engine_s = timed(llm, [prompt(n)], 1, cold=cold)
         prefill[n], prefill_wall[n] = n / engine_s, n / wall
     return {"prefill_tokens_per_s": prefill, "prefill_wall_tokens_per_s": prefill_wall}
 
@@ -461,7 +463,8 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
         decode, profiles = measure_decode(llm, prompt, args)
         results[kind] = {
             "variant": variant, "prompts": kind, "repeats": REPEATS, "startup_s": startup, **decode,
-            **measure_prefill(llm, prompt), "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
+            **measure_prefill(llm, prompt, args.checkpoint if args.cold_reads else None),
+            "bytes": llm.apply_model(tensor_bytes)[0], **graphs,
             **spec_decode_counters(llm), **({"decode_profile": profiles} if args.profile else {}),
         }  # fmt: skip
         Path(out).write_text(json.dumps(results))  # after each source: a cut-off run keeps what it measured

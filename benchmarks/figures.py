@@ -565,8 +565,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             (S30 + "ours_pair/bench_serve.json", S30 + "vllm_bf16/bench_serve.json"),
             partial(serve_bytes, "host_int8", "vllm_host_bf16", "ple_host"), "≤ 0.51× (target)"),
     ]),
-    ("vLLM 0.34 (1×H200, `FULL_DECODE_ONLY`, the release geometry, text prompts; before every timed run every page of "
-     "the checkpoint's files dropped, `--cold-reads`: file reads reach the drive)", [
+    ("vLLM 0.34 (1×H200, `FULL_DECODE_ONLY`, the release geometry, text prompts; before every timed decode run every page "
+     "of the checkpoint's files dropped, `--cold-reads`: file reads reach the drive)", [
         Row("decode: ours (host INT8) / vLLM 0.34's class (host FP8)", (S034,),
             partial(serve_decode, "host_int8@cold-reads", "vllm_host_fp8@cold-reads"), PARITY),
         Row("prefill, one prompt: ours (host INT8) / vLLM 0.34's class (host FP8)", (S034,),
