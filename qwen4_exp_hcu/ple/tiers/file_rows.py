@@ -47,7 +47,8 @@ class FileTier:
     staging_rows: int = 4096  # rows a lookup reads from the files before the staging area grows (serving sizes it for its largest step)
     # when a lookup asks the kernel for its missing rows' pages (`MADV_WILLNEED`) before copying them, so that reads
     # of pages the page cache lacks are queued together, not faulted in one at a time: "after_a_fault" (once its
-    # copies read the drive), "always" (a syscall a row and part, also for cached pages) or "never" (`stage.c`)
+    # copies read the drive), "always" (the misses sorted and a syscall a run of pages, also for cached pages) or
+    # "never" (`stage.c`)
     ask_pages_first: str = "after_a_fault"
 
     def __post_init__(self) -> None:
