@@ -38,10 +38,10 @@ into staging, timed in the same phase), the share of ids served by resident rows
 lookups' misses touched, the major faults (touches the cache did not hold), the hit rate, and the bytes read from
 the drive (`/proc/self/io`, read-around included). `drive` holds the drive's own 4 KiB random-read rate over the
 shard files (O_DIRECT, one read at a time and 16: `page_cache.random_read_rate`), the limit of reads that miss.
-On an accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads. `--disk-offload-reference`: in the cold phase, every step's owned rows also
-read as vLLM 0.34's `disk_offload` reads them (`page_cache.PreadvRows`; none resident), reported with
-`ask_pages_first` "vllm_disk_offload". `--hot-rows-share S` (an
-accelerator): a GPU hot-row cache of S of the rows in front of every file-tier table, filled from the calibration
+On an accelerator the lookup kernel reads over UVA; on the CPU the torch reference reads.
+`--disk-offload-reference`: in the cold phase, every step's owned rows also read as vLLM 0.34's `disk_offload` reads
+them (`page_cache.PreadvRows`; none resident), reported with `ask_pages_first` "vllm_disk_offload".
+`--hot-rows-share S` (an accelerator): a GPU hot-row cache of S of the rows in front of every file-tier table, filled from the calibration
 ids first; the resident rows then come from the calibration ids it does not serve (results carry `hot_rows`, files
 `file_tier_{device}_hot.*`). Writes JSON + PNG into `--out`.
 """
@@ -256,11 +256,10 @@ def measure_preadv(reader: PreadvRows, table: PLETable, steps: list[torch.Tensor
     none resident), cold: the files' pages dropped before each step, untimed."""
     before, seconds = IOCount.now(), []
     for ids in steps:
-        local = ids.reshape(-1).cpu().numpy() - table.start
-        local = local[(local >= 0) & (local < table.file_rows.n)]
+        rows = all_owned(table, ids)
         drop()
         t = time.perf_counter()
-        reader.read(local)
+        reader.read(rows)
         seconds.append(time.perf_counter() - t)
     s = statistics.median(seconds)
     return {"s": s, "staging_s": s, "io": IOCount.now() - before, "pages_asked": 0}

@@ -417,12 +417,13 @@ def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
     clock holds besides; with `--cold-reads` the drive reads of its timed runs; and with `--profile` where a step's
     time goes (`profile_decode`)."""
     decode, wall_rate, fixed, profiles, drive = {}, {}, {}, {}, {}
+    cold = args.checkpoint if args.cold_reads else None
     for b in args.batches:
         prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
         timed(llm, prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-        prefill_only, _, _ = timed(llm, prompts, 1, cold=args.checkpoint if args.cold_reads else None)
+        prefill_only, _, _ = timed(llm, prompts, 1, cold=cold)
         reads = []
-        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=args.checkpoint if args.cold_reads else None, reads=reads)
+        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=cold, reads=reads)
         decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
         fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
         drive[b] = {"runs": len(reads), "drive_read_bytes": sum(r.read_bytes for r in reads),
