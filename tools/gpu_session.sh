@@ -27,6 +27,13 @@
 #                                  (the folder, carried in again: untar it here, call again until "0 left"); the log ->
 #                                  $OUT/gpu_suite.log; MULTI=1: the multi_gpu tests too; SUITE_ARGS: pytest's arguments
 #                                  (test files first: those files only, in that order)
+#   suite-start                    the same suite in the background, from a copy of the tree at /tmp/suite-tree (its own
+#                                  process session: it runs on between calls while the machine is held, no test cut at a
+#                                  call's end, no engine started twice); FIRST: test files run before the rest; none
+#                                  started after BUDGET s (default 1300). Then waits as suite-wait does
+#   suite-wait                     alone in a call, carrying nothing: waits up to WAIT s (default 560) for the background
+#                                  suite, then its records -> $OUT/gpu_suite.tar and its log -> $OUT/gpu_suite.log (no set-up:
+#                                  the running suite's installs stay as they are)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 #   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (82 s; the
@@ -49,6 +56,15 @@
 #   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
 # GPU_VLLM: the engine's folder (default .gpu-vllm, vLLM 0.33; .gpu-vllm-034 from
 #   VLLM_VERSION=0.34.0 bash ../shared/gpu-vllm/build.sh .gpu-vllm-034 for vLLM 0.34; carry it instead).
+wait_suite() {  # until the background suite ends or WAIT s pass; what it has recorded so far comes back either way
+  local t0=$(date +%s)
+  while [ ! -e /tmp/suite-tree/done ] && [ $(( $(date +%s) - t0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
+  [ -e /tmp/suite-tree/done ] && echo "background suite ended" || echo "background suite still running"
+  grep -a "PASSED\|FAILED\|ERROR\|SKIPPED\|tests recorded\|passed\|failed" /tmp/suite-tree/gpu_suite.log | cut -c1-300 | tail -"${TAIL:-30}"
+  cp /tmp/suite-tree/gpu_suite.log "$OUT/gpu_suite.log"
+  (cd /tmp/suite-tree && tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite)
+}
+if [ "$1" = suite-wait ]; then wait_suite; exit 0; fi
 source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
 # Merged once per machine, also into a cache an earlier call (a sweep) has started.
 if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]; then
@@ -99,6 +115,14 @@ PY
   suite) timeout "${LIM:-540}" python3 tools/gpu_suite.py --budget-s "${BUDGET:-420}" ${MULTI:+--multi-gpu} $SUITE_ARGS 2>&1 \
            | tee "$OUT/gpu_suite.log" | grep -av "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -"${TAIL:-40}"
          tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite ;;  # one file: $OUT returns 8 at most
+  suite-start) rm -rf /tmp/suite-tree && mkdir -p /tmp/suite-tree && cp -a . /tmp/suite-tree/
+               (cd /tmp/suite-tree && setsid nohup bash -c '
+                 end=$(( $(date +%s) + ${BUDGET:-1300} ))
+                 [ -n "$FIRST" ] && python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" ${MULTI:+--multi-gpu} -- $FIRST
+                 left=$(( end - $(date +%s) ))
+                 [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} $SUITE_ARGS
+                 touch done' > /tmp/suite-tree/gpu_suite.log 2>&1 < /dev/null &)
+               wait_suite ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
