@@ -20,6 +20,9 @@ DOWN_SILU_ENV = "QWEN4_EXP_HCU_DOWN_SILU"
 """A launch of `benchmarks/bench_hyper_connection.py --sweep` by its label (e.g. `rows_n1_w4`) for the
 hyper-connections' fused down GEMM at every decode size: serves a sweep's config before it is the default."""
 
+# What the model's traced forward reads from the environment: each shapes the graphs torch.compile caches.
+GRAPH_ENVS = (PREFETCH_ENV, PDL_ENV, TORCH_OPS_ENV, DOWN_SILU_ENV)
+
 TEXT_CLASS = "qwen4_exp_hcu.model.model:Qwen4ExpForCausalLM"
 MULTIMODAL_CLASS = "qwen4_exp_hcu.model.multimodal:Qwen4ExpForConditionalGeneration"
 MTP_CLASS = "qwen4_exp_hcu.model.mtp:Qwen4ExpMTP"
@@ -41,6 +44,11 @@ def prefetch_enabled() -> bool:
 
 def pdl_enabled() -> bool:
     return os.environ.get(PDL_ENV, "1").strip().lower() not in _FALSE
+
+
+def graph_environment() -> dict[str, str]:
+    """`GRAPH_ENVS` as set in this process ("" where unset)."""
+    return {name: os.environ.get(name, "") for name in GRAPH_ENVS}
 
 
 def vision_available() -> bool:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 
-from qwen4_exp_hcu.env import DISABLE_ENV, TORCH_OPS_ENV, our_architectures, override_disabled
+from qwen4_exp_hcu.env import DISABLE_ENV, TORCH_OPS_ENV, graph_environment, our_architectures, override_disabled
 from qwen4_exp_hcu.settings import engine_settings
 from qwen4_exp_hcu.startup_report import new_engine_start, watch_engine_process
 
@@ -74,6 +74,7 @@ def check_settings_with_config(architecture: str) -> None:
             check_prefix_caching(vllm_config)
             gdn_state_in_fp32_on_cpu(vllm_config, current_platform.is_cpu())
             check_torch_ops(vllm_config.model_config.enforce_eager, current_platform.is_cuda_alike())
+            key_compiled_graphs_by_environment(vllm_config)
             new_engine_start()
 
     MODELS_CONFIG_MAP[architecture] = WithPluginSettings
@@ -123,6 +124,18 @@ def check_engram(vllm_config) -> None:
             "(GiB per rank of the most-read rows kept in host memory; the rest are read from the files), e.g. "
             '--additional-config \'{"qwen4_exp_hcu": {"host_table_gib": 4}}\'.'
         )
+
+
+ENVIRONMENT_KEY = "qwen4_exp_hcu_environment"
+
+
+def key_compiled_graphs_by_environment(vllm_config) -> None:
+    """The environment settings the model's traced forward reads (`env.GRAPH_ENVS`), copied into
+    `additional_config`: vLLM keys its torch.compile cache by the config, `additional_config` included, and by its
+    own `VLLM_*` variables alone, so without them a graph compiled with the prefetch on would be loaded with it off
+    (vLLM 0.34's AOT cache checks the traced files, which the setting does not change)."""
+    if isinstance(vllm_config.additional_config, dict):  # not a `SupportsCompileFactors`, which hashes itself
+        vllm_config.additional_config[ENVIRONMENT_KEY] = graph_environment()
 
 
 def check_torch_ops(enforce_eager: bool, accelerator: bool) -> None:

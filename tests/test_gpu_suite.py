@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.run_record import ROOT, code_files, code_id, release
+from helpers.run_record import ROOT, code_files, code_id, module_id, release, shared_files
 
 TESTS_DIR = Path(__file__).parent
 TOOL = TESTS_DIR.parent / "tools" / "gpu_suite.py"
@@ -203,6 +203,26 @@ def test_the_suite_resumes_where_a_killed_run_stopped(tmp_path):
     assert "4 of 4 tests recorded, 0 left" in last.stdout
 
 
+def test_a_test_whose_module_changed_runs_again(tmp_path):
+    """Records are kept per test module: a change to the module (not to the code every test shares, which names
+    the folder) runs its tests again, and only then."""
+    out = tmp_path / "results" / f"{code_id()}_{release()}"
+    (tmp_path / "test_sample.py").write_text(SUITE.replace("os.kill(os.getpid(), signal.SIGKILL)", "pass"))
+    assert tool_run(tmp_path).returncode == 0
+    assert "4 of 4 tests recorded, 0 left" in tool_run(tmp_path).stdout
+    assert ran(tmp_path) == ["a", "killed", "c", "d"]  # recorded: not run twice
+    assert {r["module"] for r in records(out / "tests").values()} == {module_id(tmp_path / "test_sample.py")}
+
+    with (tmp_path / "test_sample.py").open("a") as f:
+        f.write("# changed\n")
+    module_id.cache_clear()
+    listed = tool_run(tmp_path, "--list")
+    assert "0 of 4 tests recorded, 4 left" in listed.stdout, listed.stdout
+    assert tool_run(tmp_path).returncode == 0
+    assert ran(tmp_path) == ["a", "killed", "c", "d"] * 2
+    assert {r["module"] for r in records(out / "tests").values()} == {module_id(tmp_path / "test_sample.py")}
+
+
 def test_the_budget_starts_no_test_once_spent(tmp_path):
     out = tmp_path / "records"
     run = pytest_run(tmp_path, BUDGET, "--test-records", str(out), "--budget-s", "2")
@@ -219,3 +239,9 @@ def test_records_are_named_by_the_code_they_ran_not_by_results_or_docs():
     assert not {f for f in files if f.startswith(("docs/", "benchmarks/results/", "tools/"))}
     assert "benchmarks/figures.py" not in files and "benchmarks/bench_serve.py" in files
     assert len(code_id()) == 12 and code_id() == code_id()
+    shared = {p.relative_to(ROOT).as_posix() for p in shared_files()}
+    assert "tests/helpers/scenarios.py" in shared and "tests/vllm_gpu_worker.py" in shared
+    assert not {f for f in shared if f.startswith("tests/test_")} and "tests/helpers/records.py" not in files
+    # a test module's own: itself, the test modules and the benchmarks it reaches
+    assert module_id(ROOT / "tests/test_vllm_gpu_formats.py") != module_id(ROOT / "tests/test_vllm_gpu.py")
+    assert "benchmarks/bench_serve.py" not in shared

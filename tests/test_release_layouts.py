@@ -328,10 +328,12 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
 def test_release_experts_with_gate_and_up_swapped_are_caught(releases, monkeypatch, tmp_path):
     """The BF16 release with its fused experts' gate and up halves swapped at loading
     (`faults.swap_fused_expert_halves`) must fail the same comparison."""
-    from helpers.faults import swap_fused_expert_halves
+    from helpers.faults import UNCACHED, swap_fused_expert_halves
     from helpers.scenarios import RELEASE_LAYOUTS
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where the fault is
+    for name, value in UNCACHED.items():
+        monkeypatch.setenv(name, value)
     swap_fused_expert_halves(monkeypatch.setattr)
     oracle = write_oracle(releases["bf16"], tmp_path / "oracle")
     errors, _ = served_errors(_start(releases["bf16"]), releases["bf16"], oracle)

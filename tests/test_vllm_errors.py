@@ -414,6 +414,27 @@ def test_settings_are_parsed_once_with_the_config(vllm_process, int8_path, monke
     assert settings.engine_settings(engine) == settings.PluginSettings(host_table_gib=2, use_thp=True)
 
 
+def compile_cache_key(config) -> str:
+    """What vLLM keys its torch.compile cache by, of the config: `compile_factors()` (0.34) or `compute_hash()`."""
+    factors = getattr(config, "compile_factors", None)
+    return repr(factors()) if factors else config.compute_hash()
+
+
+def test_environment_settings_that_shape_the_graph_key_the_compile_cache(vllm_process, int8_path, monkeypatch):
+    """An engine started with the prefetch off (or kernels swapped, another down-GEMM launch, PDL off) must not load
+    the graphs torch.compile cached for one with it on: the config vLLM keys that cache by differs with them."""
+    from qwen4_exp_hcu.env import DOWN_SILU_ENV, PDL_ENV, PREFETCH_ENV, TORCH_OPS_ENV
+
+    default = compile_cache_key(engine_config(int8_path))
+    assert compile_cache_key(engine_config(int8_path)) == default  # the same settings find their graphs
+    for name, value in ((PREFETCH_ENV, "0"), (PDL_ENV, "0"), (TORCH_OPS_ENV, "ngram_hash"), (DOWN_SILU_ENV, "rows_n1_w4")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert compile_cache_key(engine_config(int8_path)) != default, name
+    ours = {"qwen4_exp_hcu": {"use_thp": True}}
+    assert engine_config(int8_path, additional_config=ours).additional_config["qwen4_exp_hcu"] == {"use_thp": True}
+
+
 def test_speculation_is_refused_where_vllm_has_no_ple_metadata(monkeypatch):
     """A release whose short-conv metadata has no speculative fields (ours stands in for vLLM's PLE backend there)
     cannot verify drafts through PLE layers: refused at init, naming the setting."""

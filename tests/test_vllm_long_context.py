@@ -46,11 +46,12 @@ def prompts():
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def serve(checkpoint, prompts) -> list[dict]:
+def serve(checkpoint, prompts, faulted: bool = False) -> list[dict]:
     """One concurrent batch through a fresh engine in this process (where a fault can be patched in)."""
     from vllm import SamplingParams
 
     env = {engines.MULTIPROCESSING: "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env.update(faults.UNCACHED if faulted else {})
     llm = engines.start(checkpoint, env=env, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024,
                         max_num_seqs=len(prompts), seed=0, **GPU_ENGINE)  # fmt: skip
     try:
@@ -96,7 +97,7 @@ def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served
                                                      record_property):
     """The fault QSA guards against: dense attention over every token of the long prompts."""
     faults.dense_attention_beyond_the_budget(monkeypatch.setattr)
-    dense = serve(checkpoint, prompts)
+    dense = serve(checkpoint, prompts, faulted=True)
     assert {s["attention"] for s in dense} == {"DenseGatedAttention"}
     rows = errors_per_prompt(dense, reference)
     correct = {n: mean for n, mean, *_ in errors_per_prompt(served, reference)}

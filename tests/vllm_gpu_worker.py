@@ -76,6 +76,10 @@ def main() -> None:
     os.environ["QWEN4_EXP_HCU_PREFETCH"] = "0" if args.no_prefetch else "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
+    if args.fault or args.rows_fault is not None:
+        from helpers.faults import UNCACHED
+
+        os.environ.update(UNCACHED)
     if args.fault:
         from helpers.faults import break_state_carry
 

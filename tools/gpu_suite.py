@@ -6,8 +6,10 @@ starts none once --budget-s has passed, so the call ends inside the limit. Every
 ends (outcome, seconds, message, figures, commit, code, vLLM release, device, graph mode: `helpers.records`); a test the
 limit cuts short anyway runs first in the next call. The run's other result files (`vllm_gpu_modes.json`, the run
 record `suite_vllm-*.json`) go into the folder beside `tests/`. Arguments after `--` go to pytest (without a test
-path, `tests`). <code> is `run_record.code_id()`, a hash of the package, tests, configs and benchmarks: a later commit
-that changes none of them (results, docs) finds the records of its code.
+path, `tests`). <code> is `run_record.code_id()`, a hash of what every test runs (the package, the configs, the tests'
+helpers and workers), and each record names its test module's own (`run_record.module_id()`: the module and the
+test modules and benchmarks it reaches): a later commit that changes neither (results, docs, another test module)
+finds the records; a test whose module changed runs again.
 
     QWEN4_EXP_HCU_COMMIT=<commit> python3 tools/gpu_suite.py --budget-s 420    # on the GPU machine, again and again
     python3 tools/gpu_suite.py --list --vllm 0.33.0          # this tree's: what is left (collects, runs nothing)
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from helpers.records import read_records  # noqa: E402
+from helpers.records import current, read_records  # noqa: E402
 from helpers.run_record import code_id, commit, release  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite"
@@ -52,16 +54,20 @@ def cell(value) -> str:
     return " ".join(str(value).split()).replace("|", "\\|")
 
 
-def outcome(record: dict) -> str:
-    return record["outcome"] + (f": {record['reason']}" if record.get("reason") else "")
+def outcome(record: dict, root: Path) -> str:
+    module = root / record["nodeid"].partition("::")[0]
+    changed = module.is_file() and not current(record, module)
+    changed = " (made with an earlier version of its test module)" if changed else ""
+    return record["outcome"] + (f": {record['reason']}" if record.get("reason") else "") + changed
 
 
-def table(folder: Path) -> str:
-    """The markdown table of a folder's records, one row per test, by node id."""
+def table(folder: Path, root: Path = ROOT) -> str:
+    """The markdown table of a folder's records, one row per test, by node id (`root`: where their node ids'
+    paths start; a record of a test module that has changed since says so)."""
     rows = [COLUMNS, ["---"] * len(COLUMNS)]
     for nodeid, r in sorted(read_records(folder / "tests").items()):
         figures = "; ".join(f"{name} {value}" for name, value in r["figures"].items())
-        rows.append([f"`{nodeid.removeprefix('tests/')}`", outcome(r), r["graph_mode"] or "—", figures or "—",
+        rows.append([f"`{nodeid.removeprefix('tests/')}`", outcome(r, root), r["graph_mode"] or "—", figures or "—",
                      r["device"], r["commit"][:7], r["vllm"]])  # fmt: skip
     return "\n".join("| " + " | ".join(cell(v) for v in row) + " |" for row in rows) + "\n"
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.faults import UNCACHED
+
 IN_PROCESS = not torch.cuda.is_available()
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -113,7 +115,7 @@ def with_fault(fault, llm, start_fresh):
             finally:
                 llm.reset_prefix_cache()
         else:
-            fresh = start_fresh(env={MULTIPROCESSING: "0"})
+            fresh = start_fresh(env={MULTIPROCESSING: "0", **UNCACHED})
             try:
                 yield fresh
             finally:

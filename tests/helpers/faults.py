@@ -3,6 +3,11 @@
 
 import dataclasses
 
+UNCACHED = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+"""The environment of an engine started with a fault in: a fault patches Python that vLLM's compile cache is not
+keyed by (0.34's AOT cache checks only the files the cached graph traced), so the engine compiles afresh rather
+than load a correct engine's graphs."""
+
 
 def break_state_carry(patch=setattr) -> None:
     """Every step starts from a fresh PLE state (EOS n-gram context, zero conv window): nothing is carried

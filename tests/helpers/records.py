@@ -5,8 +5,10 @@ test did not pass and its one-line `reason`, the commit, the vLLM release, the d
 test has one (its `mode` or `graph_mode` parameter, or what it records as `graph_mode`) and the figures it attaches
 with pytest's `record_property`.
 
-`--resume` deselects the tests DIR holds a finished record of. A test cut short counts as finished only when it was
-the first of its run: it had a whole run's time and did not finish in it, so running it again would not help.
+`--resume` deselects the tests DIR holds a finished record of, made with their test module as it is now
+(`run_record.module_id`: DIR is named after the code every test shares, `code_id`). A test cut short counts as
+finished only when it was the first of its run: it had a whole run's time and did not finish in it, so running it
+again would not help.
 `--budget-s S` starts no test once S seconds have passed since the run began; the tests it leaves get no file.
 `tools/gpu_suite.py` runs the GPU suite over as many runs as it takes with these options."""
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.run_record import add_report, code_id, commit, release
+from helpers.run_record import add_report, code_id, commit, module_id, release
 
 UNFINISHED = "unfinished"
 GRAPH_MODE_PARAMS = ("graph_mode", "mode")
@@ -54,6 +56,11 @@ def finished(record: dict) -> bool:
     return record["outcome"] != UNFINISHED or record["ran_first"]
 
 
+def current(record: dict, path: Path) -> bool:
+    """Whether `record` was made with the test module at `path` as it is now."""
+    return record.get("module") == module_id(path)
+
+
 @cache
 def machine() -> dict:
     import torch
@@ -75,14 +82,14 @@ class TestRecords:
 
     def __init__(self, directory: Path | None, budget_s: float | None, resume: bool):
         self.directory, self.budget_s, self.resume = directory, budget_s, resume
-        self.began, self.records, self.suite = time.monotonic(), {}, []
+        self.began, self.records, self.suite = time.monotonic(), {}, {}
 
     @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected theirs
     def pytest_collection_modifyitems(self, config, items):
-        self.suite = [item.nodeid for item in items]
+        self.suite = {item.nodeid: item.path for item in items}
         if not (self.resume and self.directory):
             return
-        done = {nodeid for nodeid, record in read_records(self.directory).items() if finished(record)}
+        done = self.done(read_records(self.directory))
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
         items[:] = [item for item in items if item.nodeid not in done]
 
@@ -92,7 +99,8 @@ class TestRecords:
             item.session.shouldstop = f"the time budget of {self.budget_s:g} s is spent"
             return True  # the test does not run and reports nothing
         self.records[item.nodeid] = {
-            "nodeid": item.nodeid, "outcome": UNFINISHED, "seconds": 0.0, **machine(), "graph_mode": graph_mode(item),
+            "nodeid": item.nodeid, "outcome": UNFINISHED, "seconds": 0.0, **machine(), "module": module_id(item.path),
+            "graph_mode": graph_mode(item),
             "figures": {}, "ran_first": not self.records, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }  # fmt: skip
         self.write(self.records[item.nodeid])
@@ -112,6 +120,11 @@ class TestRecords:
             record["figures"] = figures
             self.write(record)
 
+    def done(self, records: dict[str, dict]) -> set[str]:
+        """The suite's tests with a finished record made with their test module as it is now."""
+        return {nodeid for nodeid, path in self.suite.items()
+                if nodeid in records and finished(records[nodeid]) and current(records[nodeid], path)}  # fmt: skip
+
     def write(self, record: dict) -> None:
         """Whole files only: a run killed while writing leaves the last complete record."""
         if self.directory is None:
@@ -124,8 +137,8 @@ class TestRecords:
     def pytest_terminal_summary(self, terminalreporter):
         if self.directory is None:
             return
-        records = read_records(self.directory)
-        left = [nodeid for nodeid in self.suite if not (nodeid in records and finished(records[nodeid]))]
+        done = self.done(read_records(self.directory))
+        left = [nodeid for nodeid in self.suite if nodeid not in done]
         terminalreporter.section("test records")
         terminalreporter.write_line(f"{self.directory}: {len(self.suite) - len(left)} of {len(self.suite)} tests "
                                     f"recorded, {len(left)} left{': next ' + left[0] if left else ''}")  # fmt: skip

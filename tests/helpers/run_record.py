@@ -12,11 +12,13 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import time
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +32,19 @@ def commit() -> str:
 
 
 # What the tests run: the package, the tests and the configs and benchmarks they load; not the docs, the results, the
-# figures made from them, nor the tools that drive the device.
+# figures made from them, the tools that drive the device, nor the record keeping (it writes down what the tests did
+# and changes none of it).
 CODE_PARTS = ("qwen4_exp_hcu", "tests", "configs", "benchmarks", "pyproject.toml")
 CODE_SUFFIXES = (".py", ".c", ".h", ".toml", ".yaml", ".json")
-NOT_CODE = ("benchmarks/results/", "benchmarks/figures.py")
+NOT_CODE = ("benchmarks/results/", "benchmarks/figures.py", "tests/helpers/records.py", "tests/helpers/run_record.py")
+TEST_MODULE = re.compile(r"tests/(test_\w+)\.py")
+# A test module's or benchmark's reach: the test modules and benchmarks it names (imports, `-m benchmarks.x`, paths).
+NAMED_TEST_MODULE = re.compile(r"^\s*(?:from|import)\s+(test_\w+)", re.M)
+NAMED_BENCHMARK = re.compile(r"benchmarks[./](\w+)|from benchmarks import \(?([\w ,\n]+)")
 
 
-def code_files() -> list[Path]:
+@cache
+def code_files() -> tuple[Path, ...]:
     found = []
     for part in CODE_PARTS:
         top = ROOT / part
@@ -45,16 +53,65 @@ def code_files() -> list[Path]:
             hidden = any(p.startswith(".") or p == "__pycache__" for p in path.relative_to(ROOT).parts)
             if path.is_file() and path.suffix in CODE_SUFFIXES and not hidden and not name.startswith(NOT_CODE):
                 found.append(path)
-    return sorted(found)
+    return tuple(sorted(found))
+
+
+def reach(path: Path) -> set[Path]:
+    """`path` and the test modules and benchmarks it names, and theirs, and so on."""
+    found, todo = set(), [path]
+    while todo:
+        current = todo.pop()
+        if current in found or not current.is_file():
+            continue
+        found.add(current)
+        text = current.read_text()
+        todo += [ROOT / "tests" / f"{name}.py" for name in NAMED_TEST_MODULE.findall(text)]
+        for one, many in NAMED_BENCHMARK.findall(text):
+            todo += [ROOT / "benchmarks" / f"{name.strip()}.py" for name in [one] + many.replace("(", "").split(",")
+                     if name.strip()]  # fmt: skip
+    return found
+
+
+def _is_test_module(path: Path) -> bool:
+    return TEST_MODULE.fullmatch(path.relative_to(ROOT).as_posix()) is not None
+
+
+def _is_benchmark(path: Path) -> bool:
+    return path.parent == ROOT / "benchmarks" and path.suffix == ".py"
+
+
+@cache
+def shared_files() -> tuple[Path, ...]:
+    """What every test runs: the package, the configs, the tests' helpers, workers and conftest, and the benchmarks
+    those name. The test modules and the other benchmarks count for the tests that reach them (`module_id`)."""
+    files = code_files()
+    shared = {p for p in files if not _is_test_module(p) and not _is_benchmark(p)}
+    helpers = [p for p in shared if p.suffix == ".py" and p.is_relative_to(ROOT / "tests")]  # the package names none
+    named = set().union(*(reach(p) for p in helpers)) & set(files)
+    return tuple(sorted(shared | {p for p in named if _is_benchmark(p)}))
+
+
+def _digest(paths) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def code_id() -> str:
-    """A hash of the files the tests run (their paths and bytes): the same here and in the device's copy of the
-    tree, which has no git."""
-    digest = hashlib.sha256()
-    for path in code_files():
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:12]
+    """A hash of what every test runs (`shared_files`, their paths and bytes): the same here and in the device's
+    copy of the tree, which has no git. It names the folder of a run's records."""
+    return _digest(shared_files())
+
+
+@cache
+def module_id(module: Path) -> str:
+    """A hash of what a test module adds to `code_id`: itself and the test modules and benchmarks it reaches. A
+    record holds for a tree whose `code_id` names its folder and whose `module_id` of its module is the record's."""
+    module = module.resolve()
+    reached = {p for p in reach(module) if p == module or p in set(code_files())}
+    return _digest(reached - set(shared_files()))
 
 
 def release() -> str:
