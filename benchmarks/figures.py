@@ -492,11 +492,16 @@ def emulated_casts(docs: list[dict]) -> Cells:
 
 
 def long_context(docs: list[dict]) -> Cells:
-    """One GPU suite record of `test_vllm_long_context.py`: its figures are "mean / max at N tokens"."""
-    rows = {int(name.split()[-2]): [float(v) for v in value.split(" / ")] for name, value in docs[0]["figures"].items()}
-    worst = max((r for n, r in rows.items() if n > 2048), key=lambda r: r[0])
-    return Cells(f"prompts of {labels(sorted(rows))} tokens in one batch: worst beyond the budget **{worst[0]} / "
-                 f"{worst[1]}**; 1 round")
+    """GPU suite records of `test_vllm_long_context.py`, QSA's then the dense fault's: their figures are "mean / max
+    at N tokens"."""
+    qsa, dense = ({int(name.split()[-2]): [float(v) for v in value.split(" / ")] for name, value in d["figures"].items()}
+                  for d in docs)  # fmt: skip
+    long = sorted(n for n in qsa if n > 2048)
+    worst = max((qsa[n] for n in long), key=lambda r: r[0])
+    fault = ", ".join(f"{dense[n][0]} ({dense[n][0] / qsa[n][0]:.1f}×)" for n in long)
+    return Cells(f"prompts of {labels(sorted(qsa))} tokens in one batch: worst beyond the budget **{worst[0]} / "
+                 f"{worst[1]}**; dense attention instead (the fault), mean at {labels(long)} tokens: {fault}; 1 round",
+                 "—", "`LONG` 0.057 / 0.52 (`tests/helpers/scenarios.py`); the fault's mean ≥ 5× QSA's")
 
 
 def peer(docs: list[dict]) -> Cells:
@@ -521,6 +526,8 @@ def suite(docs: list[dict]) -> Cells:
 S30 = "serve_release_breakable_session30/"
 SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one code on vLLM 0.34: an H100's
 H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # and an H200's
+BACKGROUND_034 = "gpu_suite/85a9fc9a489e_0.34.0/"  # and an H100's, `suite-start`
+LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
 H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("20261205T125253", "20261205T130021",
                                                                        "20261205T130808", "20261205T131643"))
 FDO22 = "serve_release_files_fdo_session22/"
@@ -700,8 +707,7 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("every CUDA-graph mode, prefetch on and off, vLLM 0.34", (f"{H200_034}vllm_gpu_modes.json",), graph_modes),
         Row("torch.compile modes with Inductor's emulated precision casts", ("vllm_gpu_modes.json",), emulated_casts),
         Row("QSA beyond the indexer budget (vLLM's `Qwen4ExpQSAAttention`, attention sharpened), vLLM 0.34",
-            (f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json",),
-            long_context, "`LONG` 0.057 / 0.52 (`tests/helpers/scenarios.py`)"),
+            tuple(f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json" for t in LONG_TESTS), long_context),
         Row("ours against vLLM's own class, the same tiny BF16 checkpoint, eager", ("peer_logprobs_eager.json",), peer,
             "`TINY` 0.012 / 0.12"),
         Row("the GPU suite's run records: kernels and every graph mode", tuple(f"{SUITE034}suite_vllm-0.34.0_{t}.json"
@@ -721,6 +727,10 @@ SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_A
                    "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
                    "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
                    "suite (again until 0 left; the CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
+SUITE_START_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 FIRST='tests/test_vllm_long_context.py "
+                    "tests/test_vllm_releases.py tests/test_release_layouts.py tests/test_vllm_speculative.py "
+                    "tests/test_vllm_gpu.py tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' "
+                    "bash tools/gpu_session.sh suite-start, then `suite-wait` calls (the CuTe DSL stashed first)")
 NO_PLE = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
           "ple_layer_ids=[])\" && ")
 SOAK_CALL = ("{env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
@@ -746,7 +756,7 @@ COMMANDS = {
     f"{SUITE034}vllm_gpu_modes.json": SUITE_CALL,
     **{name: SUITE_H200_CALL for name in H200_034_RUNS},
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
-    f"{H200_034}tests/test_vllm_long_context.py_test_qsa_beyond_the_budget_matches_transformers.json": SUITE_H200_CALL,
+    **{f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json": SUITE_START_CALL for t in LONG_TESTS},
     **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     S034: S034_CALL,
