@@ -59,8 +59,10 @@ runs in the worker's process).
 
 `--prompts text`: prompts cut from natural English text (benchmarks/data/text_tokens.safetensors) instead of
 uniform token ids, so prefill's PLE rows repeat as text's n-grams do (the file tier's resident rows serve them);
-decode's ids follow what the random model generates either way. `--prompts text uniform`: both in turn in each
-engine (one start per variant), reported as `VARIANT@text` and `VARIANT@uniform`.
+decode's ids are what the random model generates, uniform over the vocabulary. `--prompts text_followed`: the same
+prompts, and each decodes the text that follows it (`follow_text.FollowText`, checked on every run), so decode
+reads the rows text reads too. Several kinds: each in turn in each engine (one start per variant), reported as
+`VARIANT@text`, `VARIANT@uniform`, ...
 
 `--geometry release`: the release's per-layer shapes (census: hidden 2560, PLE 16 heads x 160, attention and
 linear-attention heads, MoE widths), depth and experts cut, with a PLE table of `--table-gb` GB as INT8 (13: one
@@ -160,6 +162,8 @@ DECODE_BATCHES, DECODE_PROMPT, DECODE_TOKENS = (1, 32, 256), 64, 64
 PREFILL_LENGTHS = (4096, 16384)
 MAX_MODEL_LEN = 20480
 REPEATS = 3
+PROMPT_KINDS = ("uniform", "text", "text_followed")
+FOLLOWED_TOKENS = 256  # the continuation a text_followed prompt carries: any decode here is shorter
 ENGINE = dict(
     dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16384, max_num_seqs=256,
     enable_prefix_caching=False, kv_cache_memory_bytes=8 << 30, seed=0,  # 48 layers: RELEASE_KV_CACHE_BYTES
@@ -262,12 +266,11 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
     step preparation; inside one: a sync)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
 
     def run(max_tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        inputs, params = requests(prompts, max_tokens)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outputs = llm.generate(inputs, params, use_tqdm=False)
         kernels = {}  # name -> [us, events]
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -348,6 +351,10 @@ def start_engine(variant: str, checkpoint: str, args: argparse.Namespace, vocab_
         from benchmarks.common import upstream_padding_shard_passes
 
         upstream_padding_shard_passes()
+    if "text_followed" in args.prompts:
+        from benchmarks.follow_text import FollowText
+
+        engine["logits_processors"] = [FollowText]
     llm = LLM(model=checkpoint, **{**base, **engine, "additional_config": additional_config,
                                    "compilation_config": compilation_config}, enforce_eager=eager, disable_log_stats=False)  # fmt: skip
     startup = time.monotonic() - t0
@@ -391,19 +398,19 @@ def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, re
     forgotten before each run (`forget_checkpoint_pages`, untimed); `reads` gets each run's drive reads
     (`page_cache.IOCount`)."""
     import torch
-    from vllm import SamplingParams
 
     from benchmarks.page_cache import IOCount
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    inputs, params = requests(prompts, max_tokens)
     times, steps, prefills = [], [], []
     for _ in range(repeats):
         if cold:
             forget_checkpoint_pages(llm, cold)
         torch.cuda.synchronize()
         t, before = time.perf_counter(), IOCount.now()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - t)
+        check_followed(prompts, outputs)
         if reads is not None:
             reads.append(IOCount.now() - before)
         prefills.append(prefill_time(outputs))
@@ -472,9 +479,21 @@ def worker(variant: str, checkpoint: str, out: str, args: argparse.Namespace, vo
     os._exit(0)  # skip vLLM's interpreter teardown
 
 
+class Followed(list):
+    """A prompt's token ids, with the text that follows them: its decode writes that (`extra_args`, read by
+    `follow_text.FollowText`)."""
+
+    def __init__(self, ids: list[int], follow: list[int]):
+        from benchmarks.follow_text import follow_args
+
+        super().__init__(ids)
+        self.extra_args = follow_args(follow)
+
+
 def prompt_source(kind: str, vocab_size: int, gen):
     """n -> a prompt of n token ids: uniform ids in [3, vocab), or consecutive slices of natural English text
-    (benchmarks/data/text_tokens.safetensors, ~200 k ids below 30 522, taken in order and wrapped)."""
+    (benchmarks/data/text_tokens.safetensors, ~200 k ids below 30 522, taken in order and wrapped); text_followed:
+    the text's slices as `Followed` prompts, with the FOLLOWED_TOKENS after each."""
     import torch
 
     if kind == "uniform":
@@ -485,12 +504,31 @@ def prompt_source(kind: str, vocab_size: int, gen):
     assert int(text.max()) < vocab_size, "the text's token ids must fit the model's vocab"
     at = [0]
 
+    def span(start: int, n: int) -> list[int]:
+        return text[(torch.arange(n) + start) % text.numel()].tolist()
+
     def take(n: int) -> list[int]:
-        idx = (torch.arange(n) + at[0]) % text.numel()
-        at[0] = (at[0] + n) % text.numel()
-        return text[idx].tolist()
+        start, at[0] = at[0], (at[0] + n) % text.numel()
+        return Followed(span(start, n), span(start + n, FOLLOWED_TOKENS)) if kind == "text_followed" else span(start, n)
 
     return take
+
+
+def requests(prompts, max_tokens: int) -> tuple[list[dict], list]:
+    """`llm.generate`'s prompts and their sampling params: greedy, EOS ignored, a `Followed` prompt's to follow."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args=getattr(p, "extra_args", None)) for p in prompts]  # fmt: skip
+    return [{"prompt_token_ids": list(p)} for p in prompts], params
+
+
+def check_followed(prompts, outputs) -> None:
+    """A `Followed` prompt's output is its text's continuation, or the engine did not apply `FollowText`."""
+    for p, o in zip(prompts, outputs):
+        tokens = list(o.outputs[0].token_ids)
+        if (extra := getattr(p, "extra_args", None)) and tokens != extra["follow"][: len(tokens)]:
+            raise RuntimeError("a text_followed prompt's decode did not follow its text: FollowText was not applied")
 
 
 def spec_decode_counters(llm) -> dict:
@@ -757,8 +795,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cold-reads", action="store_true", help="the checkpoint's pages forgotten before every timed "
                         "run and the file tier's read-around off: its misses (and vLLM's disk_offload) read the drive (decode_reads: the runs' drive bytes); "
                         "reported as VARIANT@cold-reads")
-    parser.add_argument("--prompts", nargs="+", choices=["uniform", "text"], default=["uniform"],
+    parser.add_argument("--prompts", nargs="+", choices=PROMPT_KINDS, default=["uniform"],
                         help="prompt tokens: uniform ids, or natural English text (its n-grams repeat as text's do); "
+                        "text_followed: text whose decode writes the text that follows it (benchmarks/follow_text.py); "
                         "several: each in turn in one engine, reported as VARIANT@SOURCE")
     parser.add_argument("--rounds", type=int, default=1, help="start the variants' engines this many times, in turn "
                         "(A B A B): rounds after the first are reported as VARIANT#ROUND, and each ratio's spread over the "

@@ -260,3 +260,54 @@ def test_upstreams_padding_shard_passes_and_nothing_else(monkeypatch):
     assert Stacked(hc, [f"{hc}.weight.1", f"{hc}.weight.2"]).pop_missing_shards() == [f"{hc}.weight.1"]
     assert Stacked("model.layers.0.mlp.gate_up_proj", ["x.weight.2"]).pop_missing_shards() == ["x.weight.2"]
     assert not upstream_padding_shard_passes()  # once
+
+
+def test_follow_text_makes_greedy_write_the_listed_ids():
+    """vLLM's V2 sampler hands `FollowText` a batch of logits rows, each with its request's slot and input position:
+    a row of a request that lists ids takes the one after its position (output index position + 1 - prompt
+    length), a row of any other request keeps its logits; a recycled slot forgets its old list."""
+    import torch
+    from vllm import SamplingParams
+
+    from benchmarks.follow_text import FollowText, follow_args
+
+    prompt_len = SimpleNamespace(gpu=torch.tensor([3, 5, 0, 0], dtype=torch.int32))
+    states = SimpleNamespace(device=torch.device("cpu"), max_num_reqs=4, vocab_size=50, prompt_len=prompt_len)
+    follow = FollowText(None, states)
+    assert follow.add_request(0, SamplingParams(extra_args=follow_args([7, 8, 9])))
+    assert not follow.add_request(1, SamplingParams())
+    follow.apply_staged_writes()
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 1, 0], dtype=torch.int32), pos=torch.tensor([2, 6, 4]))
+    taken = follow.apply(logits.clone(), ctx).argmax(-1).tolist()
+    assert taken == [7, logits[1].argmax().item(), 9]  # slot 0's outputs 0 and 2; slot 1 as the model says
+
+    assert not follow.add_request(0, SamplingParams())  # slot 0 recycled for a request without a list
+    follow.apply_staged_writes()
+    assert follow.apply(logits.clone(), ctx).argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+    FollowText.validate_params(SamplingParams(extra_args=follow_args([1, 2])))
+    with pytest.raises(ValueError, match="follow"):
+        FollowText.validate_params(SamplingParams(extra_args={"follow": [1, "2"]}))
+
+
+def test_text_followed_prompts_carry_the_text_after_them():
+    """Each text_followed prompt is the next slice of the text, carrying the FOLLOWED_TOKENS after it; an output
+    that does not write them is an error (the engine did not apply `FollowText`)."""
+    import torch
+
+    text = bench_serve.prompt_source("text", 40_000, None)
+    followed = bench_serve.prompt_source("text_followed", 40_000, None)
+    first, second, whole = followed(8), followed(8), text(16 + bench_serve.FOLLOWED_TOKENS)
+    assert list(first) + list(second) == whole[:16]
+    assert first.extra_args["follow"] == whole[8 : 8 + bench_serve.FOLLOWED_TOKENS]
+    inputs, params = bench_serve.requests([first], 5)
+    assert inputs == [{"prompt_token_ids": whole[:8]}] and params[0].extra_args == first.extra_args
+
+    def outputs(tokens):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)])]
+
+    bench_serve.check_followed([first], outputs(whole[8:13]))
+    bench_serve.check_followed([whole[:8]], outputs([1, 2, 3]))  # a plain prompt: anything goes
+    with pytest.raises(RuntimeError, match="did not follow"):
+        bench_serve.check_followed([first], outputs(torch.tensor(whole[8:13]).flip(0).tolist()))
