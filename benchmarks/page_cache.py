@@ -29,7 +29,8 @@ PAGE = mmap.PAGESIZE
 
 
 def _maps(shards: MappedShards) -> list[np.memmap]:
-    return [m for parts in shards.maps.values() for m in parts.values()]
+    """The shards' maps of the files (not the parts the tier holds in memory)."""
+    return [m for j in shards.maps for m in shards.mapped(j).values()]
 
 
 def drop_mapped(*shards: MappedShards) -> None:
@@ -51,13 +52,13 @@ def read_around(shards: MappedShards, on: bool) -> None:
 
 
 def pages_needed(shards: MappedShards, rows: np.ndarray) -> int:
-    """Distinct file pages that reading owned `rows` (each part: weight, scale) touches."""
+    """Distinct file pages that reading owned `rows` (each part read from the files) touches."""
     glob = np.unique(rows) + shards.start
     shard = glob // shards.shard_rows
     pages = 0
     for j in np.unique(shard).tolist():
         local = glob[shard == j] - j * shards.shard_rows
-        for m in shards.maps[j].values():
+        for m in shards.mapped(j).values():
             first = m.offset + local * m.shape[1]
             pages += np.unique(np.concatenate([first // PAGE, (first + m.shape[1] - 1) // PAGE])).size
     return pages
@@ -66,13 +67,14 @@ def pages_needed(shards: MappedShards, rows: np.ndarray) -> int:
 class PreadvRows:
     """vLLM 0.34's `disk_offload` way of reading a step's rows (`Qwen4ExpPLEDiskOffloadEmbedding._read_rows`), over
     the same files as a file-tier table's maps: every distinct row of the step (it keeps none resident), sorted,
-    `POSIX_FADV_WILLNEED` on each run of adjacent pages, then one `preadv` a row and part, one thread. The reference
-    the file tier's misses are read against, cold, on one machine."""
+    `POSIX_FADV_WILLNEED` on each run of adjacent pages, then one `preadv` a row, one thread. It reads the parts the
+    tier maps (the weight rows): vLLM's FP8 table, the one `disk_offload` serves, has rows as wide and no per-row
+    scales. The reference the file tier's misses are read against, cold, on one machine."""
 
     def __init__(self, shards: MappedShards) -> None:
         self.shards = shards
         self.fds = {path: os.open(path, os.O_RDONLY) for path in {m.filename for m in _maps(shards)}}
-        self.buf = {part: bytearray(size) for part, size in shards.row_bytes.items()}
+        self.buf = {part: bytearray(size) for part, size in shards.row_bytes.items() if part not in shards.in_memory}
 
     def read(self, rows: np.ndarray, out: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Read every distinct owned row of `rows` (local ids), each part, into `out[part]` (`[rows, bytes]`, in

@@ -22,6 +22,7 @@ from qwen4_exp_hcu.ple.tiers.file_map import CheckpointFiles
 from qwen4_exp_hcu.ple.tiers.file_rows import FileRows, FileTier
 
 W_BYTES, S_BYTES = 8, 2
+WIDTHS = {"narrow": W_BYTES, "wide": 160}  # weight bytes a row: the 2-byte scales mapped / held in memory
 
 
 class _Oracle:
@@ -62,9 +63,9 @@ class _Oracle:
             self.counted = [counted[r.counts[counted] > 0]]
 
 
-def _checkpoint(path, rows: int, shard_rows: int, seed: int) -> dict[str, np.ndarray]:
+def _checkpoint(path, rows: int, shard_rows: int, seed: int, width: int = W_BYTES) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    weight = rng.integers(-128, 128, (rows, W_BYTES), dtype=np.int8)
+    weight = rng.integers(-128, 128, (rows, width), dtype=np.int8)
     scale = rng.integers(0, 256, (rows, S_BYTES), dtype=np.uint8)
     for j in range(-(-rows // shard_rows)):
         a, b = j * shard_rows, min((j + 1) * shard_rows, rows)
@@ -74,18 +75,18 @@ def _checkpoint(path, rows: int, shard_rows: int, seed: int) -> dict[str, np.nda
     return {"weight": weight.view(np.uint8), "weight_scale": scale}
 
 
-def _rows(path, start: int, n: int, shard_rows: int, slots: int, **tier) -> FileRows:
+def _rows(path, start: int, n: int, shard_rows: int, slots: int, width: int = W_BYTES, **tier) -> FileRows:
     buffers = {}
 
     def resize(count, keep=0):
         old = dict(buffers)
-        buffers["weight"] = torch.zeros((count, W_BYTES), dtype=torch.int8)
+        buffers["weight"] = torch.zeros((count, width), dtype=torch.int8)
         buffers["weight_scale"] = torch.zeros((count, 1), dtype=torch.bfloat16)
         for k in old:
             buffers[k][:keep].copy_(old[k][:keep])
         return dict(buffers)
 
-    rows = FileRows(FileTier(CheckpointFiles(path), slots * (W_BYTES + S_BYTES), **tier), start, n, shard_rows, W_BYTES + S_BYTES, resize)
+    rows = FileRows(FileTier(CheckpointFiles(path), slots * (width + S_BYTES), **tier), start, n, shard_rows, width + S_BYTES, resize)
     for j in range(start // shard_rows, (start + n - 1) // shard_rows + 1):
         rows.add_shard(j, {"weight": f"model.layers.0.ple.shard_{j}.weight", "weight_scale": f"model.layers.0.ple.shard_{j}.weight_scale"})
     rows.loaded()
@@ -109,13 +110,14 @@ CASES = {  # rows, shard_rows, start, n, slots, refresh_every, promote_rows, sta
 }
 
 
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("ask", stager.ASK_PAGES_FIRST)
-def test_the_c_host_function_matches_numpy(tmp_path, case, seed, ask):
+def test_the_c_host_function_matches_numpy(tmp_path, case, seed, ask, width):
     total, shard_rows, start, n, slots, every, limit, staging, max_tokens = CASES[case]
-    table = _checkpoint(tmp_path, total, shard_rows, seed)
-    tier = dict(refresh_every=every, promote_rows=limit, staging_rows=staging, ask_pages_first=ask)
+    table = _checkpoint(tmp_path, total, shard_rows, seed, WIDTHS[width])
+    tier = dict(refresh_every=every, promote_rows=limit, staging_rows=staging, ask_pages_first=ask, width=WIDTHS[width])
     ours, oracle = _rows(tmp_path, start, n, shard_rows, slots, **tier), _Oracle(_rows(tmp_path, start, n, shard_rows, slots, **tier))
     rng = np.random.default_rng(seed)
     hot = rng.integers(start, start + n, 12)
@@ -148,6 +150,23 @@ def test_the_c_host_function_matches_numpy(tmp_path, case, seed, ask):
     assert ours.staging.host_stats().calls == 60
     # "always" asks for every miss's pages (here the files' pages are cached: "after_a_fault" finds no fault)
     assert (ours.staging.pages_asked > 0) == (ask == "always" and slots < n)
+
+
+def test_scales_held_in_memory_are_never_asked_for(tmp_path):
+    """With 160-byte weight rows, the 2-byte scales are read into memory when their shard is added
+    (`file_map.in_memory_parts`): a lookup asks only for its misses' weight pages, and its bytes are the files'."""
+    table = _checkpoint(tmp_path, 3000, 700, 0, width=160)
+    rows = _rows(tmp_path, 900, 1500, 700, 0, width=160, refresh_every=0, staging_rows=64, ask_pages_first="always")
+    assert rows.shards.in_memory == ["weight_scale"] and rows.staging.state.in_memory == 0b10
+    assert all(not isinstance(parts["weight_scale"], np.memmap) for parts in rows.shards.maps.values())
+    ids = np.arange(900, 2400, 25, dtype=np.int64)  # 60 rows over 3 shards: a scale page each shard, a weight page a row
+    got = rows.stage(torch.from_numpy(ids)).numpy()
+    for part, want in table.items():
+        assert np.array_equal(rows.staging.bytes[part][got], want[ids]), part
+    weight_pages = sum(np.unique(np.concatenate([a // mmap.PAGESIZE, (a + 159) // mmap.PAGESIZE])).size
+                       for j in range(1, 4) for a in [rows.shards.maps[j]["weight"].offset
+                                                      + (ids[ids // 700 == j] - 700 * j) * 160])  # fmt: skip
+    assert rows.staging.pages_asked == weight_pages
 
 
 def _major_faults() -> int:

@@ -89,25 +89,48 @@ def _read_header(path: Path) -> dict[str, TensorLocation]:
     return out
 
 
+IN_MEMORY_SHARE = 1 / 16
+"""A table's parts whose rows are at most this share of its widest part's (an INT8 table's BF16 row scales: 2 bytes
+beside 160) are read into host memory whole as their shard is added, not mapped: a scale page holds 2048 rows'
+scales, so a table of tens of millions of rows spreads its misses over as many scale pages, and each missed row
+would read one from the drive beside its weight row's. What they add to the host bytes beside the resident rows:
+`file_rows.index_bytes`."""
+
+
+def in_memory_parts(row_bytes: dict[str, int]) -> list[str]:
+    """The parts (of `part -> bytes per row`) the file tier holds in host memory rather than reads from the files."""
+    widest = max(row_bytes.values(), default=0)
+    return [part for part, size in row_bytes.items() if size <= IN_MEMORY_SHARE * widest]
+
+
 class MappedShards:
     """Owned rows `[start, start + n)` of a table whose checkpoint shards hold `shard_rows` rows each, per part
-    (`weight`, `weight_scale`: `row_bytes` gives each part's bytes per row), memory-mapped from the files. `src`
-    holds the maps' addresses by (shard, part) for the C host function (`stage.c`)."""
+    (`weight`, `weight_scale`: `row_bytes` gives each part's bytes per row): memory-mapped from the files, or read
+    whole into host memory (`in_memory_parts`). `src` holds their addresses by (shard, part) for the C host function
+    (`stage.c`), `memory_mask` which parts are held in memory (bit i: part i)."""
 
     def __init__(self, files: CheckpointFiles, start: int, n: int, shard_rows: int, row_bytes: dict[str, int]) -> None:
         self.files, self.start, self.n, self.shard_rows, self.row_bytes = files, start, n, shard_rows, row_bytes
         self.first = start // shard_rows
-        self.maps: dict[int, dict[str, np.memmap]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
+        self.maps: dict[int, dict[str, np.ndarray]] = {}  # checkpoint shard -> part -> [shard rows, bytes]
         self.src = np.zeros((max(0, (start + n - 1) // shard_rows - self.first + 1), len(row_bytes)), dtype=np.uintp)
+        self.in_memory = in_memory_parts(row_bytes)
+        self.memory_mask = sum(1 << i for i, part in enumerate(row_bytes) if part in self.in_memory)
 
     def add(self, j: int, parts: dict[str, str]) -> None:
-        """Map checkpoint shard `j`'s per-row tensors (`part -> tensor name`); their rows must be the table's."""
+        """Map checkpoint shard `j`'s per-row tensors (`part -> tensor name`), or read them (`in_memory`); their rows
+        must be the table's."""
         for part, name in parts.items():
             mm = self.files.find(name).rows()
             if mm.shape[1] != self.row_bytes[part]:
                 raise ValueError(f"{name}: {mm.shape[1]} bytes per row in the file, the table stores {self.row_bytes[part]}.")
-            self.maps.setdefault(j, {})[part] = mm
-            self.src[j - self.first, list(self.row_bytes).index(part)] = mm.ctypes.data
+            rows = np.array(mm) if part in self.in_memory else mm  # one sequential read of the shard's part
+            self.maps.setdefault(j, {})[part] = rows
+            self.src[j - self.first, list(self.row_bytes).index(part)] = rows.ctypes.data
+
+    def mapped(self, j: int) -> dict[str, np.memmap]:
+        """Shard `j`'s parts read from the files (not those held in memory)."""
+        return {part: m for part, m in self.maps[j].items() if part not in self.in_memory}
 
     def check_complete(self) -> None:
         """Every shard that holds owned rows is mapped, else an error naming the first that is not (the C host

@@ -78,6 +78,7 @@ class FileRows(ResidentTier):
         state.start, state.n, state.shard_rows, state.slot_of = start, n, shard_rows, self.slot_of.ctypes.data
         state.first_shard, state.n_parts, state.src = self.shards.first, self.shards.src.shape[1], self.shards.src.ctypes.data
         state.ask_first = ASK_PAGES_FIRST.index(tier.ask_pages_first)
+        state.in_memory = self.shards.memory_mask
         self.counts = np.zeros(n, dtype=np.int32) if tier.refresh_every else None
         if self.counts is not None:
             # the host function counts each lookup's rows, and every `refresh_every` lookups calls
@@ -168,10 +169,11 @@ class FileRows(ResidentTier):
         return f"{where}; {stats.describe()}{asked}"
 
 
-def index_bytes(rows: int, slots: int, staging_rows: int, traffic: bool) -> int:
-    """Pageable host bytes a table's file tier keeps beside its rows: the slot maps (row -> slot, slot -> row), the
-    miss table (keys and values), and when following traffic the counts and the promotion's candidates."""
-    maps = 4 * rows + 4 * slots + 16 * miss_table_entries(staging_rows)
+def index_bytes(rows: int, slots: int, staging_rows: int, traffic: bool, in_memory_row_bytes: int = 2) -> int:
+    """Pageable host bytes a table's file tier keeps beside its rows: every row's parts held in memory
+    (`file_map.in_memory_parts`: an INT8 table's 2-byte scales), the slot maps (row -> slot, slot -> row), the miss
+    table (keys and values), and when following traffic the counts and the promotion's candidates."""
+    maps = (in_memory_row_bytes + 4) * rows + 4 * slots + 16 * miss_table_entries(staging_rows)
     return maps + (4 * rows + 8 * min(rows, FRESH_ROWS) if traffic else 0)
 
 

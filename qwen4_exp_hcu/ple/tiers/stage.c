@@ -36,6 +36,7 @@ typedef struct {
     int64_t alive;             /* 0 once its owner is gone: a graph replaying it later finds nothing to do */
     int64_t ask_first;         /* ASK_*: when a lookup asks the kernel for its misses' pages (`ask_pages`) */
     int64_t pages_asked;       /* pages those asks covered */
+    int64_t in_memory;         /* bit p: part p is held in host memory (`file_map.in_memory_parts`): nothing to ask */
 } Stager;
 
 enum { ASK_NEVER, ASK_AFTER_A_FAULT, ASK_ALWAYS }; /* `FileTier.ask_pages_first`'s "never", "after_a_fault", "always" */
@@ -121,6 +122,8 @@ static void ask_pages(Stager *s, int64_t from, int64_t size) {
             rows[m++] = s->keys[h];
     qsort(rows, (size_t)m, sizeof(int64_t), by_row);
     for (int64_t p = 0; p < s->n_parts; p++) {
+        if (s->in_memory >> p & 1)
+            continue;
         uintptr_t lo = 0, hi = 0; /* the run of pages not asked for yet, in one shard's map */
         const uint8_t **run_src = NULL;
         for (int64_t i = 0; i <= m; i++) {

@@ -29,7 +29,8 @@ class Stager(ctypes.Structure):
                 ("counts", _p), ("fresh", _p), ("fresh_len", _i64), ("fresh_cap", _i64), ("lookups", _i64),
                 ("refresh_every", _i64), ("promote", CALLBACK), ("ids", _p), ("cached", _p), ("slot", _p),
                 ("keys", _p), ("vals", _p), ("table_size", _i64), ("calls", _i64), ("ns", _i64),
-                ("longest_ns", _i64), ("alive", _i64), ("ask_first", _i64), ("pages_asked", _i64)]  # fmt: skip
+                ("longest_ns", _i64), ("alive", _i64), ("ask_first", _i64), ("pages_asked", _i64),
+                ("in_memory", _i64)]  # fmt: skip
 
 
 class Call(ctypes.Structure):
