@@ -326,11 +326,18 @@ def file_tier_asked_cold(phase: str, docs: list[dict]) -> Cells:
 
 def file_tier_vs_disk_offload(docs: list[dict]) -> Cells:
     """Cold lookups: the file tier's host side (default `ask_pages_first`) against vLLM 0.34's `disk_offload` reads of
-    the same steps (`--disk-offload-reference`), the rounds' ratios (the two in turn within each round)."""
-    cells = []
+    the same steps (`--disk-offload-reference`), the rounds' ratios (the two in turn within each round); a second
+    file: the same command at an earlier commit, the tier's ms and drive pages a lookup there."""
+    cells, steps = [], docs[0]["steps"]
+    earlier = dict(asking(docs[1:], "cold")) if len(docs) > 1 else {}
     for label, ask in asking(docs, "cold"):
         ours, ref = ms(ask["after_a_fault"], "staging_s"), ms(ask["vllm_disk_offload"], "staging_s")
-        cells.append(f"{label} {spread(ours, 1)} against {spread(ref, 1)} ms, **{spread([r / o for o, r in zip(ours, ref)], 2)}×**")
+        cell = f"{label} {spread(ours, 1)} against {spread(ref, 1)} ms, **{spread([r / o for o, r in zip(ours, ref)], 2)}×**"
+        if label in earlier:
+            before = earlier[label]["after_a_fault"]
+            cell += (f" (scales read from the files: {spread(ms(before, 'staging_s'), 1)} ms, "
+                     f"{before['pages_needed'] / steps:.0f} against {ask['after_a_fault']['pages_needed'] / steps:.0f} pages)")
+        cells.append(cell)
     d = docs[0]["drive"]
     return Cells(f"{'; '.join(cells)}; {rounds(docs[0]['rounds'])}", "—",
                  f"≥ 1.5× (the serving target); the drive, 4 KiB random reads: {d['qd1']['iops'] / 1e3:.1f} k IOPS one at a "
@@ -538,7 +545,7 @@ S034_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 PROMPTS=text 
              "DSL stashed first: tools/gpu_cute_dsl.sh)")
 WILLNEED = "file_tier_cpu_willneed/file_tier_cpu.json"
 WILLNEED_WARM = "file_tier_cpu_willneed_warm/file_tier_cpu.json"
-VS_DISK = "file_tier_cpu_vs_disk_offload/file_tier_cpu.json"
+VS_DISK = ("file_tier_cpu_4gb_scales_in_memory/file_tier_cpu.json", "file_tier_cpu_4gb_scales_mapped/file_tier_cpu.json")
 SOAK_CONTROL = {"serve_load_cpu/soak_control/no_ple/soak.json": "no PLE layers",
                 "serve_load_cpu/soak_control/ple/soak.json": "PLE",
                 "serve_load_cpu/soak_control/ple_onednn_cache_off/soak.json": "PLE, oneDNN's primitive cache off"}
@@ -620,9 +627,10 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("the host side of lookups whose misses read the drive, their pages asked for first after a fault / faulted in "
             "one at a time (`ask_pages_first`; 0.25 GB table, 256 tokens × 16 heads; CPU, its virtual disk; read-around off)",
             (WILLNEED,), partial(file_tier_asked_cold, "cold")),
-        Row("the host side of cold lookups: the tier's misses, asked for in file order, against vLLM 0.34's "
-            "`disk_offload` reads of every row of the same steps (CPU, its virtual disk; 0.25 GB table, 256 tokens × 16 "
-            "heads)", (VS_DISK,), file_tier_vs_disk_offload),
+        Row("the host side of cold lookups: the tier's misses (weight rows; the row scales held in memory), asked for in "
+            "file order, against vLLM 0.34's `disk_offload` reads of every row of the same steps, weight rows alone as "
+            "its FP8 table has no row scales (CPU, its virtual disk; 4 GB table, 256 tokens × 16 heads)", VS_DISK,
+            file_tier_vs_disk_offload),
         Row("the same with the kernel's read-around on, as the tier maps its files", (WILLNEED,),
             partial(file_tier_asked_cold, "cold_readahead")),
         Row("the host side of a lookup whose pages are cached, never asking for them, and asking after a fault (none "
