@@ -77,7 +77,8 @@ def _is_test_module(path: Path) -> bool:
 
 
 def _is_benchmark(path: Path) -> bool:
-    return path.parent == ROOT / "benchmarks" and path.suffix == ".py"
+    """A benchmark module (not the package's `__init__`, which every one imports)."""
+    return path.parent == ROOT / "benchmarks" and path.suffix == ".py" and path.name != "__init__.py"
 
 
 @cache
