@@ -262,10 +262,14 @@ def test_upstreams_padding_shard_passes_and_nothing_else(monkeypatch):
     assert not upstream_padding_shard_passes()  # once
 
 
+V2_LOGITS_PROCESSORS = "vllm.v1.worker.gpu.sample.logits_processor"  # the interface `FollowText` implements (0.32 on)
+
+
 def test_follow_text_makes_greedy_write_the_listed_ids():
     """vLLM's V2 sampler hands `FollowText` a batch of logits rows, each with its request's slot and input position:
     a row of a request that lists ids takes the one after its position (output index position + 1 - prompt
     length), a row of any other request keeps its logits; a recycled slot forgets its old list."""
+    pytest.importorskip(V2_LOGITS_PROCESSORS)
     import torch
     from vllm import SamplingParams
 
@@ -294,6 +298,7 @@ def test_follow_text_makes_greedy_write_the_listed_ids():
 def test_text_followed_prompts_carry_the_text_after_them():
     """Each text_followed prompt is the next slice of the text, carrying the FOLLOWED_TOKENS after it; an output
     that does not write them is an error (the engine did not apply `FollowText`)."""
+    pytest.importorskip(V2_LOGITS_PROCESSORS)
     import torch
 
     text = bench_serve.prompt_source("text", 40_000, None)
