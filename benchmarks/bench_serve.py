@@ -301,16 +301,29 @@ def profile_decode(llm, prompts, top: int = 12) -> dict:
 
 
 def calibration_tokens(slots: int, vocab_size: int, heads: int = 16):
-    """A calibration stream naming a row for each of `slots` resident slots: benchmarks/data's text (its n-grams
-    first: they repeat, so they count most), then uniform token ids, 2 x slots / `heads` of them: each names `heads`
-    rows, nearly all distinct, so over a table of R rows they name R (1 - exp(-2 slots / R)) >= slots rows (slots <=
-    R / 2)."""
+    """A calibration stream naming a row for each of `slots` resident slots: the calibration part of benchmarks/data's
+    text (`text_tokens`; its n-grams first: they repeat, so they count most), then uniform token ids, 2 x slots /
+    `heads` of them: each names `heads` rows, nearly all distinct, so over a table of R rows they name
+    R (1 - exp(-2 slots / R)) >= slots rows (slots <= R / 2)."""
     import torch
-    from safetensors.torch import load_file
 
-    text = load_file(Path(__file__).parent / "data" / "text_tokens.safetensors")["tokens"].long()
+    text = text_tokens("calibration")
     filler = torch.randint(3, vocab_size, (-(-2 * slots // heads),), generator=torch.Generator().manual_seed(2))
     return torch.cat([text[text < vocab_size], filler])
+
+
+PROMPT_TEXT = 100_000  # benchmarks/data's first ids give the prompts, the rest the calibration: no prompt is in it
+
+
+def text_tokens(part: str):
+    """benchmarks/data's natural English text (200 k ids below 30 522) cut in two: "prompts" (the first
+    PROMPT_TEXT ids) and "calibration" (the rest), so a calibrated start has not seen the text it is timed on."""
+    from safetensors.torch import load_file
+
+    from benchmarks.common import TEXT_TOKENS
+
+    text = load_file(TEXT_TOKENS)["tokens"].long()
+    return text[:PROMPT_TEXT] if part == "prompts" else text[PROMPT_TEXT:]
 
 
 def save_tokens(tokens, path: Path) -> None:
@@ -492,15 +505,13 @@ class Followed(list):
 
 def prompt_source(kind: str, vocab_size: int, gen):
     """n -> a prompt of n token ids: uniform ids in [3, vocab), or consecutive slices of natural English text
-    (benchmarks/data/text_tokens.safetensors, ~200 k ids below 30 522, taken in order and wrapped); text_followed:
+    (the prompt part of `text_tokens`, taken in order and wrapped); text_followed:
     the text's slices as `Followed` prompts, with the FOLLOWED_TOKENS after each."""
     import torch
 
     if kind == "uniform":
         return lambda n: torch.randint(3, vocab_size, (n,), generator=gen).tolist()
-    from safetensors.torch import load_file
-
-    text = load_file(Path(__file__).parent / "data" / "text_tokens.safetensors")["tokens"].long()
+    text = text_tokens("prompts")
     assert int(text.max()) < vocab_size, "the text's token ids must fit the model's vocab"
     at = [0]
 
@@ -740,9 +751,18 @@ def ratio_rounds(ratios: dict) -> dict:
     return {pair: {b: spread([r[b] for r in rs]) for b in rs[0]} for pair, rs in by_pair.items() if len(rs) > 1}
 
 
-def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> None:
+def drive_rate(checkpoints: list[Path], reads: int = 8192) -> dict:
+    """The drive's own 4 KiB random-read rate over the checkpoints' files, one read in flight (a fault's) and 16
+    (`page_cache.random_read_rate`, O_DIRECT): the limit `--cold-reads` runs are read against."""
+    from benchmarks.page_cache import random_read_rate
+
+    files = sorted(f for c in checkpoints for f in Path(c).glob("*.safetensors"))
+    return {f"qd{depth}": random_read_rate(files, reads, depth) for depth in (1, 16)}
+
+
+def write_results(results: dict, out: Path, model: dict, graph_mode: str, drive: dict | None = None) -> None:
     """Write the JSON (variants measured in an earlier run and not re-run are kept, and the commands that measured
-    them) and the PNG."""
+    them; `drive`: the drive's rate, kept from the earlier run when not measured again) and the PNG."""
     from benchmarks.common import commit
 
     out.mkdir(parents=True, exist_ok=True)
@@ -752,10 +772,12 @@ def write_results(results: dict, out: Path, model: dict, graph_mode: str) -> Non
         before = json.loads((out / "bench_serve.json").read_text())
         results = {**before["results"], **results}
         commands = [c for c in before.get("commands", []) if c != command] + commands
+        drive = drive or before.get("drive_4k_random_reads")
     ratios = decode_ratios(results)
     doc = {"commands": commands, "commit": commit(),
            "machine": versions(), "model": model, "engine": engine_config(model["num_hidden_layers"]), "decode": [DECODE_PROMPT, DECODE_TOKENS],
-           "graph_mode": graph_mode, "results": results, "decode_ratios": ratios, "decode_ratio_rounds": ratio_rounds(ratios)}  # fmt: skip
+           "graph_mode": graph_mode, "results": results, "decode_ratios": ratios, "decode_ratio_rounds": ratio_rounds(ratios),
+           **({"drive_4k_random_reads": drive} if drive else {})}  # fmt: skip
     (out / "bench_serve.json").write_text(json.dumps(doc, indent=2))
     try:
         plot(results, out / "bench_serve.png", describe(model, graph_mode))
@@ -862,6 +884,9 @@ def main() -> None:
     t0 = time.monotonic()
     checkpoints = write_checkpoints(workdir, model, {VARIANTS[name][2] for name in args.variants})
     print(f"checkpoints written in {time.monotonic() - t0:.0f} s", flush=True)
+    drive = drive_rate(list(checkpoints.values())) if args.cold_reads and not args.worker else None
+    if drive:
+        print("the drive, 4 KiB random reads:", {d: round(r["iops"]) for d, r in drive.items()}, flush=True)
     results = {}
     for round_, name in itertools.product(range(args.first_round, args.first_round + args.rounds), args.variants):
         for kind, r in run_variant(name, checkpoints[VARIANTS[name][2]], workdir, args).items():
@@ -870,7 +895,7 @@ def main() -> None:
             key += f"#{round_}" if round_ > 1 else ""
             results[key] = {**r, "down_silu_launch": args.down_silu} if name == "host_int8_down_launch" else r
             print(key, json.dumps(r), flush=True)
-        write_results(results, Path(args.out), model, args.graph_mode)  # after every variant: a cut-off run keeps what it measured
+        write_results(results, Path(args.out), model, args.graph_mode, drive)  # after every variant: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -129,6 +129,22 @@ def test_ratios_and_plot_follow_the_batches_measured(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
+def test_a_cold_reads_run_keeps_the_drives_rate_beside_its_figures(tmp_path):
+    """`--cold-reads`: the drive's 4 KiB random-read rate over the checkpoint's files goes into the JSON, and a later
+    call that adds variants to the same folder keeps it."""
+    import json
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(bytes(64 << 10))
+    drive = bench_serve.drive_rate([tmp_path / "ckpt"], reads=64)
+    assert set(drive) == {"qd1", "qd16"} and all(r["reads"] == 64 and r["iops"] > 0 for r in drive.values())
+    model = bench_serve.MODEL
+    bench_serve.write_results({"host_int8": {"error": "x"}}, tmp_path / "out", model, "eager", drive)
+    bench_serve.write_results({"gpu_int8": {"error": "y"}}, tmp_path / "out", model, "eager")
+    doc = json.loads((tmp_path / "out" / "bench_serve.json").read_text())
+    assert doc["drive_4k_random_reads"] == drive and set(doc["results"]) == {"host_int8", "gpu_int8"}
+
+
 def test_the_launch_variant_needs_its_launch(monkeypatch, capsys):
     """`host_int8_down_launch` without `--down-silu` stops before any checkpoint is written."""
     monkeypatch.setattr("sys.argv", ["bench_serve.py", "--variants", "host_int8", "host_int8_down_launch"])
@@ -172,6 +188,21 @@ def test_a_calibrated_variant_names_a_row_for_every_slot(tmp_path):
         context = torch.full((1, spec.context_len), spec.eos_token_id)
         ids = ngram_ids(spec, tokens, torch.tensor([0, tokens.numel()]), context)
         assert torch.unique(ids).numel() >= slots
+
+
+def test_calibration_has_not_seen_the_text_prompts():
+    """A calibrated start reads its text from the part of benchmarks/data the prompts never take: the prompts wrap
+    within theirs, and the calibration stream opens with the other."""
+    import torch
+
+    prompts, calibration = bench_serve.text_tokens("prompts"), bench_serve.text_tokens("calibration")
+    assert prompts.numel() == bench_serve.PROMPT_TEXT and calibration.numel() >= bench_serve.PROMPT_TEXT // 2
+    take = bench_serve.prompt_source("text", 40_000, None)
+    taken = torch.tensor(take(bench_serve.PROMPT_TEXT - 8) + take(16))
+    assert torch.equal(taken, torch.cat([prompts, prompts[:8]]))
+    stream = bench_serve.calibration_tokens(16, 40_000)
+    assert torch.equal(stream[: calibration.numel()], calibration)
+    assert not (stream.unfold(0, 64, 1) == prompts[:64]).all(1).any()  # the first prompt is nowhere in it
 
 
 @pytest.mark.cpu_only
