@@ -30,8 +30,9 @@
 #   suite-start                    the same suite in the background, from a copy of the tree at /tmp/suite-tree (its own
 #                                  process session: it runs on between calls while the machine is held, no test cut at a
 #                                  call's end, no engine started twice); FIRST: test files run before the rest; ALSO:
-#                                  test files run beside them, in a second pytest with its own vLLM compile cache and
-#                                  temporary folder (the tests' engines are small; their compiles want the CPU cores);
+#                                  test files run beside them, groups split by commas, each group in a pytest of its own
+#                                  with its own vLLM compile cache and temporary folder (the tests' engines are small,
+#                                  their KV caches fixed; their compiles want the CPU cores);
 #                                  none started after BUDGET s (default 1300). Then waits as suite-wait does
 #   suite-wait                     alone in a call, carrying nothing: waits up to WAIT s (default 560) for the background
 #                                  suite, then its records -> $OUT/gpu_suite.tar and its logs -> $OUT/gpu_suite*.log (no
@@ -58,10 +59,11 @@
 #   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
 # GPU_VLLM: the engine's folder (default .gpu-vllm, vLLM 0.33; .gpu-vllm-034 from
 #   VLLM_VERSION=0.34.0 bash ../shared/gpu-vllm/build.sh .gpu-vllm-034 for vLLM 0.34; carry it instead).
-suite_ended() { [ -e /tmp/suite-tree/done ] && { [ -z "$ALSO" ] || [ -e /tmp/suite-tree/done-also ]; }; }
+suite_ended() {  # the first pytest and every ALSO group's (one log each) have ended
+  [ -e /tmp/suite-tree/done ] && [ "$(ls /tmp/suite-tree/done-also-* 2>/dev/null | wc -l)" = "$(ls /tmp/suite-tree/gpu_suite_also_*.log 2>/dev/null | wc -l)" ]
+}
 wait_suite() {  # until the background suite ends or WAIT s pass; what it has recorded so far comes back either way
   local t0=$(date +%s)
-  [ -e /tmp/suite-tree/gpu_suite_also.log ] && ALSO=${ALSO:-yes}
   while ! suite_ended && [ $(( $(date +%s) - t0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
   suite_ended && echo "background suite ended" || echo "background suite still running"
   for log in /tmp/suite-tree/gpu_suite*.log; do
@@ -122,19 +124,20 @@ PY
            | tee "$OUT/gpu_suite.log" | grep -av "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -"${TAIL:-40}"
          tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite ;;  # one file: $OUT returns 8 at most
   suite-start) rm -rf /tmp/suite-tree && mkdir -p /tmp/suite-tree && cp -a . /tmp/suite-tree/
-               ignore=""; for f in $ALSO; do ignore="$ignore --ignore=$f"; done
+               ignore=""; for f in ${ALSO//,/ }; do ignore="$ignore --ignore=$f"; done
                (cd /tmp/suite-tree && IGNORE="$ignore" setsid nohup bash -c '
                  end=$(( $(date +%s) + ${BUDGET:-1300} ))
                  [ -n "$FIRST" ] && python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" ${MULTI:+--multi-gpu} -- $FIRST
                  left=$(( end - $(date +%s) ))
                  [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} -- ${SUITE_ARGS:-tests} $IGNORE
                  touch done' > /tmp/suite-tree/gpu_suite.log 2>&1 < /dev/null &)
-               if [ -n "$ALSO" ]; then
+               IFS=, read -ra groups <<< "$ALSO"
+               for i in "${!groups[@]}"; do  # each group of ALSO its own pytest, compile cache and temporary folder
                  sleep 5  # a run record is named by the second it starts
-                 (cd /tmp/suite-tree && VLLM_CACHE_ROOT=/tmp/vllm-cache-also setsid nohup bash -c '
-                   python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" -- --basetemp=/tmp/pytest-also $ALSO
-                   touch done-also' > /tmp/suite-tree/gpu_suite_also.log 2>&1 < /dev/null &)
-               fi
+                 (cd /tmp/suite-tree && I=$i GROUP="${groups[$i]}" VLLM_CACHE_ROOT=/tmp/vllm-cache-also-$i setsid nohup bash -c '
+                   python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" -- --basetemp=/tmp/pytest-also-$I $GROUP
+                   touch done-also-$I' > /tmp/suite-tree/gpu_suite_also_$i.log 2>&1 < /dev/null &)
+               done
                wait_suite ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
