@@ -379,10 +379,12 @@ def main() -> None:
         rate = f"{d['iops']:.0f} IOPS, {d['mb_per_s']:.1f} MB/s (O_DIRECT {d['o_direct']})" if "iops" in d else f"{d['pages_per_s']:.0f} pages/s"
         print(f"drive, 4 KiB random reads {name}: {rate}")
     streams = token_streams(run.args.tokens * run.args.steps + run.args.calib_tokens, torch.Generator().manual_seed(0))
-    results = [r for stream, tokens in streams.items() if stream in (run.args.streams or streams)
-               for r in measure_stream(run, stream, tokens)]  # fmt: skip
     stem = f"file_tier_{run.device}" + ("_hot" if run.args.hot_rows_share else "")
-    save(run.args.out, stem, report(run, results, drive), plot)
+    results = []
+    for stream, tokens in streams.items():
+        if stream in (run.args.streams or streams):
+            results += measure_stream(run, stream, tokens)
+            save(run.args.out, stem, report(run, results, drive), plot)  # after each stream: a cut run keeps what it measured
 
 
 def plot(report: dict, path: Path) -> None:
