@@ -26,9 +26,10 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      rows resident (from served traffic), the rest read from the checkpoint's files per lookup
                      (at 100 % every row is resident: the tier's own cost, the host round trip per lookup)
                      (`ple.file_rows`; the reads are host nodes of the decode step's full CUDA graph)
-  host_int8_files{20,5}_calibrated  the same budgets from a calibrated start (`host_table_calibration`): the text of
-                     benchmarks/data, then uniform token ids enough to name a row for every slot
-                     (`calibration_tokens`), so the budget binds from the first step; the resident rows stay put
+  host_int8_files{20,5}_calibrated  the same budgets from a calibrated start (`host_table_calibration`): the half of
+                     benchmarks/data's text the prompts never take, then uniform token ids enough to name a row for
+                     every slot (`calibration_tokens`), so the budget binds from the first step; the resident rows
+                     stay put
   host_int8_sync, host_int8_files20_sync  host_int8 and host_int8_files20 with vLLM's async scheduling off: the
                      engine thread waits on the GPU, GIL released, instead of running the next step's Python (tells
                      whether the file tier's host function waits for the GIL)
