@@ -318,8 +318,8 @@ def describe(r: dict, base: float) -> str:
     rounds = f" ({r['s_min'] * 1e3:.3f}-{r['s_max'] * 1e3:.3f})" if len(r["s_rounds"]) > 1 else ""
     return (f"{r['stream']:8} {r['share']:4.0%} resident {r['phase']:14} ask {r['ask_pages_first']:13} "
             f"{r['s'] * 1e3:8.3f} ms{rounds}  {base / r['s']:5.2f}x whole  host staging {r['staging_s'] * 1e3:.3f} ms  "
-            f"hits {r['resident_hits']:.0%} (+ GPU {r['gpu_hits']:.0%})  page cache hits {r['page_cache_hits']:.0%} of "
-            f"{r['pages_needed']} pages, drive {r['drive_read_bytes'] / 2**20:.1f} MiB, {r['pages_asked']:.0f} pages asked a "
+            f"hits {r['resident_hits']:.0%} (+ GPU {r['gpu_hits']:.0%})  {r['page_cache_hits']:.0%} of "
+            f"{r['pages_needed']} pages without a major fault, drive {r['drive_read_bytes'] / 2**20:.1f} MiB, {r['pages_asked']:.0f} pages asked a "
             f"lookup  resident {r['resident_rows']}/{r['slots']} rows")  # fmt: skip
 
 
@@ -393,7 +393,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = ((lambda r: r["vs_whole"], "lookup speed vs whole table in host memory"),
               (lambda r: r["staging_s"] * 1e3, "host side of a lookup (ms)"),
-              (lambda r: r["page_cache_hits"], "page-cache hits of the misses' pages"),
+              (lambda r: r["page_cache_hits"], "misses' pages touched without a major fault"),
               (lambda r: r["drive_read_bytes"] / r["needed_bytes"] if r["needed_bytes"] else None,
                "drive bytes read per byte of the misses' pages"))  # fmt: skip
     styles = {"warm": "-o", "cold": "--x", "cold_readahead": ":+"}

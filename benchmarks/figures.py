@@ -274,23 +274,6 @@ def formats(docs: list[dict]) -> Cells:
                  f" values); {'every format bit-exact' if exact else 'NOT bit-exact'}; 1 round")
 
 
-def file_tier(share: float, docs: list[dict]) -> Cells:
-    """A lookup through the file tier against the whole table pinned, warm and cold page cache."""
-    runs = docs[0]["results"]
-
-    def at(stream, phase):
-        return next(r for r in runs if r["stream"] == stream and r["share"] == share and r["phase"] == phase)
-
-    streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
-    warm = " / ".join(f"{at(s, 'warm')['vs_whole']:.2f}×" for s in streams)
-    cold = " / ".join(f"{at(s, 'cold')['vs_whole']:.2f}×" for s in streams)
-    hits = " / ".join(percent(at(s, "warm")["resident_hits"]) for s in streams)
-    whole = " / ".join(num(1e3 * next(r["s"] for r in runs if (r["stream"], r["phase"]) == (s, "whole")), 3) for s in streams)
-    return Cells(f"{' / '.join(STREAMS[s] for s in streams)}: **{warm}** the whole table's speed, warm page cache "
-                 f"({cold} cold); resident rows serve {hits} of the ids; 1 round",
-                 "—", f"the whole table pinned: {whole} ms a lookup")
-
-
 def asking(docs: list[dict], phase: str) -> list[tuple[str, dict[str, dict]]]:
     """`bench_file_tier --ask-pages-first` runs of one phase: (share and stream, `ask_pages_first` -> its result),
     budgets largest first."""
@@ -622,8 +605,10 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("pinned host bytes, 20 % resident",
             (FDO22 + "budgets_20_100/bench_serve.json", FDO22 + "budgets_50_5/bench_serve.json"),
             partial(serve_bytes, "host_int8_files20@text", "host_int8@text", "ple_host"), "0.2× (the budget)"),
-        Row("one lookup alone, 20 % resident (8 GB table, 256 tokens × 16 heads, C host node)",
-            ("file_tier_session22/file_tier_cuda.json",), partial(file_tier, 0.2)),
+        Row("the host side of cold lookups on the GPU machine's drive: the tier's misses against vLLM 0.34's "
+            "`disk_offload` reads of the same steps, as in the CPU row below (the TP4 rank's 13 GB table, 256 tokens "
+            "× 16 heads, every slot filled by a calibration from other text)", ("file_tier_gpu_13gb_cold/file_tier_cuda.json",),
+            file_tier_vs_disk_offload),
         Row("the host side of lookups whose misses read the drive, their pages asked for first after a fault / faulted in "
             "one at a time (`ask_pages_first`; 0.25 GB table, 256 tokens × 16 heads; CPU, its virtual disk; read-around off)",
             (WILLNEED,), partial(file_tier_asked_cold, "cold")),

@@ -117,8 +117,9 @@ class IOCount:
 
 
 def cache_report(count: IOCount, pages: int) -> dict:
-    """A phase's reads against the pages its misses touched: the page cache's hit rate (touches that found their
-    page cached: no major fault) and the drive bytes a needed byte cost."""
+    """A phase's reads against the pages its misses touched: the touches without a major fault (`page_cache_hits`:
+    the page cached, or its read asked for before the touch, so only `drive_read_bytes` tells a cold phase) and the
+    drive bytes a needed byte cost."""
     hits = 1.0 - count.major_faults / pages if pages else 1.0
     return {"pages_needed": pages, "needed_bytes": pages * PAGE, "major_faults": count.major_faults,
             "drive_read_bytes": count.read_bytes, "page_cache_hits": min(1.0, max(0.0, hits))}  # fmt: skip
