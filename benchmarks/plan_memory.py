@@ -25,8 +25,9 @@ nothing here counts): per layout, whether the whole INT8 table fits pinned (each
 `dp_shared_memory`), else the `host_table_gib` to set: the largest budget whose resident rows, staging areas and row
 maps fit each rank's share of the RAM (following traffic, and with `host_table_calibration`, whose maps are smaller),
 and the decode speed measured at that share of the table: read from the serving result files docs/PERFORMANCE.md
-cites (`benchmarks.figures`), named, with the resident rows those runs held against their slots; where none was
-measured at that share it says so, and names the nearest measured share below.
+cites (`benchmarks.figures`) whose budgets bound, named; where none was measured at that share it says so, and
+names the nearest measured share below. Beside it, the decode the drive allows when every miss reads it: the cold
+lookups measured on the GPU machine's drive (pages a token, pages a second) added to the pinned table's decode steps.
 Writes benchmarks/results/plan_memory.json.
 """
 
@@ -189,15 +190,49 @@ def measured_decode(results: Path = RESULTS) -> list[dict]:
     return found
 
 
-def expected_decode(share: float, measured: list[dict]) -> dict:
-    """The decode measured at `share` of the table; where none was, a note saying so and the nearest share below."""
-    at = [m for m in measured if abs(m["share"] - share) < SAME_SHARE]
+def expected_decode(share: float, measured: list[dict], ple_layers: int = 1) -> dict:
+    """The decode measured at `share` of the table, in runs whose budget bound (a run holding fewer rows than its
+    slots measured no budget); where none was, a note saying so and the nearest share below; and the decode the
+    drive allows there (`drive_bound_decode`)."""
+    bound = [m for m in measured if m["resident_slots"] and m["resident_slots"][0] == m["resident_slots"][1]]
+    drive = drive_bound_decode(share, ple_layers)
+    at = [m for m in bound if abs(m["share"] - share) < SAME_SHARE]
     if at:
-        return {"measured": at}
-    below = [m for m in measured if m["share"] < share]
+        return {"measured": at, "drive_bound": drive}
+    below = [m for m in bound if m["share"] < share]
     nearest = max((m["share"] for m in below), default=None)
-    return {"measured": [], "note": f"no GPU measurement at {share:.1%} of the table yet",
-            "nearest_below": [m for m in below if m["share"] == nearest]}  # fmt: skip
+    return {"measured": [], "note": f"no GPU measurement with the budget bound at {share:.1%} of the table yet",
+            "nearest_below": [m for m in below if m["share"] == nearest], "drive_bound": drive}  # fmt: skip
+
+
+# Cold lookups on the GPU machine's drive (bench_file_tier, the TP4 rank's table at 20 and 5 %), and the whole table
+# pinned decoding on the H200 at the release geometry, one PLE layer: what `drive_bound_decode` reads.
+DRIVE_LOOKUPS = "file_tier_gpu_13gb_cold/file_tier_cuda.json"
+PINNED_DECODE = ("serve_release_034_disk_tiers/bench_serve.json", "host_int8@cold-reads")
+
+
+def drive_bound_decode(share: float, ple_layers: int = 1, results: Path = RESULTS) -> dict | None:
+    """Decode against the whole table pinned when every missed row reads the drive, from measurements: the pages a
+    token's lookup missed in `DRIVE_LOOKUPS` at the nearest measured share at or below `share` (fewer rows
+    resident: more misses), read at the pages a second the tier reached there, added to each step of
+    `PINNED_DECODE` for every PLE layer, with no overlap. None where no share at or below was measured."""
+    lookups = json.loads((results / DRIVE_LOOKUPS).read_text())
+    tier = [r for r in lookups["results"] if r["phase"] == "cold" and r["ask_pages_first"] != "vllm_disk_offload"]
+    measured = max((r["share"] for r in tier if r["share"] <= share + SAME_SHARE), default=None)
+    if measured is None:
+        return None
+    pinned = json.loads((results / PINNED_DECODE[0]).read_text())["results"][PINNED_DECODE[1]]["decode_tokens_per_s"]
+    streams = {}
+    for r in (r for r in tier if r["share"] == measured):
+        lookup_pages = r["pages_needed"] / lookups["steps"]
+        pages_per_token, pages_per_s = lookup_pages / lookups["tokens_per_step"], lookup_pages / r["staging_s"]
+        step = {b: int(b) / rate for b, rate in pinned.items()}
+        streams[r["stream"]] = {
+            "pages_per_token": pages_per_token, "pages_per_s": pages_per_s, "resident_hits": r["resident_hits"],
+            "decode_vs_whole_table": {b: s / (s + int(b) * pages_per_token * ple_layers / pages_per_s) for b, s in step.items()},
+        }  # fmt: skip
+    return {"share_measured": measured, "files": [DRIVE_LOOKUPS, PINNED_DECODE[0]],
+            "device": lookups["machine"]["device"], "streams": streams}
 
 
 def host_ram_advice(row: dict, per_layer: list[int], row_bytes: int, staging_rows: int, host_ram: float,
@@ -214,7 +249,8 @@ def host_ram_advice(row: dict, per_layer: list[int], row_bytes: int, staging_row
     share = None if budgets[True] is None else budgets[True] / table
     return {**out, "host_table_gib": None if budgets[True] is None else math.floor(budgets[True] / 2**30 * 100) / 100,
             "host_table_gib_calibrated": None if budgets[False] is None else math.floor(budgets[False] / 2**30 * 100) / 100,
-            "resident_share": share, "expected_decode": None if share is None else expected_decode(share, measured)}  # fmt: skip
+            "resident_share": share,
+            "expected_decode": None if share is None else expected_decode(share, measured, len(per_layer))}  # fmt: skip
 
 
 def node_bytes(rows: list[int], dim: int, tp: int, dp: int, across: bool, gpus_per_node: int) -> dict:
@@ -293,6 +329,13 @@ def print_host_ram(rows: list[dict], host_ram_gib: float, reserve_gib: float, gp
             print(f"    {expected['note']}" + ("; the nearest below:" if expected["nearest_below"] else ""))
         for m in expected["measured"] or expected["nearest_below"]:
             print(f"    {describe_measurement(m)}")
+        if drive := expected["drive_bound"]:
+            print(f"    with every miss read from the drive (cold lookups at {drive['share_measured']:.0%} resident on the "
+                  f"{drive['device']} machine's drive, added to the pinned table's H200 decode steps): "
+                  + "; ".join(f"{stream} ({v['resident_hits']:.0%} of rows resident, {v['pages_per_token']:.1f} pages a "
+                              f"token at {v['pages_per_s'] / 1e3:.0f} k pages/s) b = {' / '.join(v['decode_vs_whole_table'])}: "
+                              + " / ".join(f"{x:.2f}" for x in v["decode_vs_whole_table"].values()) + "x"
+                              for stream, v in drive["streams"].items()))  # fmt: skip
 
 
 def main() -> None:
