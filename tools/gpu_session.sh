@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of tests/README.md and docs/PERFORMANCE.md, step by step, on the device machine (vLLM 0.33 through
-# ../shared/gpu-vllm; the CuTe DSL and FA3 of gpu_cute_dsl.sh when stashed there). Carry [".gpu-vllm"], then:
+# ../shared/gpu-vllm; the CuTe DSL and FA3 of gpu_cute_dsl.sh when stashed there). Carry [".gpu-vllm"] (the steps
+# file-tier, lookup-tp1, drop and keep-cache alone need nothing carried: the image's torch runs them), then:
 #   STEPS...                       what runs, in order, in one call:
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
@@ -73,7 +74,11 @@ wait_suite() {  # until the background suite ends or WAIT s pass; what it has re
   (cd /tmp/suite-tree && tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite)
 }
 if [ "$1" = suite-wait ]; then wait_suite; exit 0; fi
-source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
+if [[ " $* " == *" "@(write|serve|load|test|suite|suite-start|memory|hc)" "* ]]; then  # the steps that run vLLM's or the package's installed code
+  source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
+else  # file-tier, lookup-tp1, drop, keep-cache: the image's torch and the tree alone, nothing to carry
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # Merged once per machine, also into a cache an earlier call (a sweep) has started.
 if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]; then
   mkdir -p ~/.triton && cat .triton-cache/part.* | tar -xJ -C ~/.triton && touch ~/.triton/.restored \
