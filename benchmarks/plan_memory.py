@@ -222,11 +222,11 @@ def drive_bound_decode(share: float, ple_layers: int = 1, results: Path = RESULT
     if measured is None:
         return None
     pinned = json.loads((results / PINNED_DECODE[0]).read_text())["results"][PINNED_DECODE[1]]["decode_tokens_per_s"]
+    step = {b: int(b) / rate for b, rate in pinned.items()}  # seconds a decode step, by batch
     streams = {}
     for r in (r for r in tier if r["share"] == measured):
         lookup_pages = r["pages_needed"] / lookups["steps"]
         pages_per_token, pages_per_s = lookup_pages / lookups["tokens_per_step"], lookup_pages / r["staging_s"]
-        step = {b: int(b) / rate for b, rate in pinned.items()}
         streams[r["stream"]] = {
             "pages_per_token": pages_per_token, "pages_per_s": pages_per_s, "resident_hits": r["resident_hits"],
             "decode_vs_whole_table": {b: s / (s + int(b) * pages_per_token * ple_layers / pages_per_s) for b, s in step.items()},
