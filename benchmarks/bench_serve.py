@@ -507,7 +507,7 @@ class Followed(list):
 def prompt_source(kind: str, vocab_size: int, gen):
     """n -> a prompt of n token ids: uniform ids in [3, vocab), or consecutive slices of natural English text
     (the prompt part of `text_tokens`, taken in order and wrapped); text_followed:
-    the text's slices as `Followed` prompts, with the FOLLOWED_TOKENS after each."""
+    the text's slices as `Followed` prompts, with the FOLLOWED_TOKENS after each, which no other prompt takes."""
     import torch
 
     if kind == "uniform":
@@ -520,8 +520,10 @@ def prompt_source(kind: str, vocab_size: int, gen):
         return text[(torch.arange(n) + start) % text.numel()].tolist()
 
     def take(n: int) -> list[int]:
-        start, at[0] = at[0], (at[0] + n) % text.numel()
-        return Followed(span(start, n), span(start + n, FOLLOWED_TOKENS)) if kind == "text_followed" else span(start, n)
+        follow = FOLLOWED_TOKENS if kind == "text_followed" else 0
+        # the next prompt starts after this one's continuation: a request decodes no text another has just prefilled
+        start, at[0] = at[0], (at[0] + n + follow) % text.numel()
+        return Followed(span(start, n), span(start + n, follow)) if follow else span(start, n)
 
     return take
 

@@ -327,16 +327,18 @@ def test_follow_text_makes_greedy_write_the_listed_ids():
 
 
 def test_text_followed_prompts_carry_the_text_after_them():
-    """Each text_followed prompt is the next slice of the text, carrying the FOLLOWED_TOKENS after it; an output
-    that does not write them is an error (the engine did not apply `FollowText`)."""
+    """Each text_followed prompt is the next slice of the text, carrying the FOLLOWED_TOKENS after it, which the
+    next prompt does not take (no request decodes what another prefilled); an output that does not write them is
+    an error (the engine did not apply `FollowText`)."""
     pytest.importorskip(V2_LOGITS_PROCESSORS)
     import torch
 
     text = bench_serve.prompt_source("text", 40_000, None)
     followed = bench_serve.prompt_source("text_followed", 40_000, None)
-    first, second, whole = followed(8), followed(8), text(16 + bench_serve.FOLLOWED_TOKENS)
-    assert list(first) + list(second) == whole[:16]
-    assert first.extra_args["follow"] == whole[8 : 8 + bench_serve.FOLLOWED_TOKENS]
+    first, second, whole = followed(8), followed(8), text(16 + 2 * bench_serve.FOLLOWED_TOKENS)
+    after = 8 + bench_serve.FOLLOWED_TOKENS
+    assert list(first) == whole[:8] and list(second) == whole[after : after + 8]
+    assert first.extra_args["follow"] == whole[8:after]
     inputs, params = bench_serve.requests([first], 5)
     assert inputs == [{"prompt_token_ids": whole[:8]}] and params[0].extra_args == first.extra_args
 
