@@ -42,6 +42,10 @@ def start(path, env: dict | None = None, **kwargs):
     the CPU."""
     from vllm import LLM
 
+    # Earlier engines dropped inside reference cycles are freed here, not during this engine's compile: vLLM 0.28's
+    # oneDNN matmul handler calls `.item()` when freed, which inside dynamo's fake-tensor tracing raises and can
+    # leave the Python dispatch key excluded on this thread, failing every later trace in the process.
+    gc.collect()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     before, default_dtype = dict(os.environ), torch.get_default_dtype()
     try:
