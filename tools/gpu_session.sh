@@ -30,14 +30,13 @@
 #                                  (test files first: those files only, in that order)
 #   suite-start                    the same suite in the background, from a copy of the tree at /tmp/suite-tree (its own
 #                                  process session: it runs on between calls while the machine is held, no test cut at a
-#                                  call's end, no engine started twice); FIRST: test files run before the rest; ALSO:
-#                                  test files run beside them, groups split by commas, each group in a pytest of its own
-#                                  with its own vLLM compile cache and temporary folder (the tests' engines are small,
-#                                  their KV caches fixed; their compiles want the CPU cores);
-#                                  none started after BUDGET s (default 1300). Then waits as suite-wait does
-#   suite-wait                     alone in a call, carrying nothing: waits up to WAIT s (default 560) for the background
-#                                  suite, then its records -> $OUT/gpu_suite.tar and its logs -> $OUT/gpu_suite*.log (no
-#                                  set-up: the running suite's installs stay as they are)
+#                                  call's end, no engine started twice); FIRST: test files run before the rest; none
+#                                  started after BUDGET s (default 1300). Then waits as suite-wait does. One pytest at
+#                                  a time: engines started side by side fail vLLM's free-memory check at start (it asks
+#                                  gpu_memory_utilization of the whole card), and their compiles share the 16 cores
+#   suite-wait                     alone in a call, carrying nothing: waits for the background suite until WAIT s
+#                                  (default 560) after the call began, then its records -> $OUT/gpu_suite.tar and its
+#                                  logs -> $OUT/gpu_suite*.log (no set-up: the running suite's installs stay as they are)
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 #   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (82 s; the
@@ -59,13 +58,14 @@
 # QWEN4_EXP_HCU_COMMIT: the commit the results record (the machine gets the tree without git): pass
 #   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
 # GPU_VLLM: the engine's folder (default .gpu-vllm, vLLM 0.33; .gpu-vllm-034 from
-#   VLLM_VERSION=0.34.0 bash ../shared/gpu-vllm/build.sh .gpu-vllm-034 for vLLM 0.34; carry it instead).
-suite_ended() {  # the first pytest and every ALSO group's (one log each) have ended
-  [ -e /tmp/suite-tree/done ] && [ "$(ls /tmp/suite-tree/done-also-* 2>/dev/null | wc -l)" = "$(ls /tmp/suite-tree/gpu_suite_also_*.log 2>/dev/null | wc -l)" ]
+#   bash tools/gpu_vllm_wheels.sh .gpu-vllm-034 0.34.0 for vLLM 0.34; carry it instead).
+suite_ended() {
+  [ -e /tmp/suite-tree/done ]
 }
-wait_suite() {  # until the background suite ends or WAIT s pass; what it has recorded so far comes back either way
-  local t0=$(date +%s)
-  while ! suite_ended && [ $(( $(date +%s) - t0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
+CALL_T0=$(date +%s)
+wait_suite() {  # until the background suite ends or WAIT s after the call began (its set-up counted: the call must
+  # return within its limit to bring the records back); what it has recorded so far comes back either way
+  while ! suite_ended && [ $(( $(date +%s) - CALL_T0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
   suite_ended && echo "background suite ended" || echo "background suite still running"
   for log in /tmp/suite-tree/gpu_suite*.log; do
     echo "--- $log"; grep -a "tests recorded\|passed\|failed\|^FAILED\|^ERROR" "$log" | cut -c1-300 | tail -"${TAIL:-12}"
@@ -129,20 +129,12 @@ PY
            | tee "$OUT/gpu_suite.log" | grep -av "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -"${TAIL:-40}"
          tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite ;;  # one file: $OUT returns 8 at most
   suite-start) rm -rf /tmp/suite-tree && mkdir -p /tmp/suite-tree && cp -a . /tmp/suite-tree/
-               ignore=""; for f in ${ALSO//,/ }; do ignore="$ignore --ignore=$f"; done
-               (cd /tmp/suite-tree && IGNORE="$ignore" setsid nohup bash -c '
+               (cd /tmp/suite-tree && setsid nohup bash -c '
                  end=$(( $(date +%s) + ${BUDGET:-1300} ))
                  [ -n "$FIRST" ] && python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" ${MULTI:+--multi-gpu} -- $FIRST
                  left=$(( end - $(date +%s) ))
-                 [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} -- ${SUITE_ARGS:-tests} $IGNORE
+                 [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} -- ${SUITE_ARGS:-tests}
                  touch done' > /tmp/suite-tree/gpu_suite.log 2>&1 < /dev/null &)
-               IFS=, read -ra groups <<< "$ALSO"
-               for i in "${!groups[@]}"; do  # each group of ALSO its own pytest, compile cache and temporary folder
-                 sleep 5  # a run record is named by the second it starts
-                 (cd /tmp/suite-tree && I=$i GROUP="${groups[$i]}" VLLM_CACHE_ROOT=/tmp/vllm-cache-also-$i setsid nohup bash -c '
-                   python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" -- --basetemp=/tmp/pytest-also-$I $GROUP
-                   touch done-also-$I' > /tmp/suite-tree/gpu_suite_also_$i.log 2>&1 < /dev/null &)
-               done
                wait_suite ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
