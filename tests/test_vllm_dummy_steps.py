@@ -17,15 +17,16 @@ def test_a_step_without_metadata_runs_the_ple_layer_on_padding(vllm_process, tin
     model = load(tiny["int8"], dtype="float32")
     block = model.model.ple_blocks[0]
     config = model.config
+    device = next(model.parameters()).device
     T = 12
-    ids = torch.randint(3, config.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
-    streams = torch.randn(T, config.hc_count * config.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, config.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).to(device)
+    streams = torch.randn(T, config.hc_count * config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
     out = torch.full_like(streams, float("nan"))
     with set_forward_context(None, engine_config(tiny["int8"], dtype="float32")), torch.no_grad():
         if block.prefetch is not None:  # as the model starts it, before the previous layer
             block.run_prefetch(ids)
         block.run_forward(streams, ids, out)
-    fresh = PLEState.zeros(block.layer.state_shapes(), 1, torch.float32)
+    fresh = PLEState.zeros(block.layer.state_shapes(), 1, torch.float32, device)
     expected = block.layer(streams, PLEBatch.from_lengths(ids, [T], [-1], [False]), fresh)
     torch.testing.assert_close(out, expected)
     assert out.abs().sum() > 0  # the layer ran: not the zeros a skipped lookup leaves

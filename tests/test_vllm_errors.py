@@ -153,11 +153,13 @@ def test_pipeline_parallel_passes_the_config_checks(vllm_process, bf16_path, arc
     """vLLM's own Qwen4Exp hook refuses PP with PLE layers for its class (releases before 0.34); ours serves every
     stage (`test_vllm_pipeline.py`), so the plugin's hook keeps vLLM's other checks and drops that refusal."""
     overrides = {"architectures": [architecture]} if architecture else {}
-    config = engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides=overrides)
+    # the backend named: left to vLLM, a CUDA host with fewer GPUs than the world size is refused before any hook runs
+    pp2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+    config = engine_config(bf16_path, hf_overrides=overrides, **pp2)
     assert config.parallel_config.pipeline_parallel_size == 2
     if architecture is None and has_qwen4_exp():  # vLLM's own hook for the architecture still runs its other checks
         with pytest.raises(ValueError, match=r"requires hc_count > 1"):
-            engine_config(bf16_path, pipeline_parallel_size=2, hf_overrides={"hc_count": 1})
+            engine_config(bf16_path, hf_overrides={"hc_count": 1}, **pp2)
 
 
 def test_micro_batching_is_rejected():
