@@ -181,3 +181,48 @@ if importlib.util.find_spec("cutlass") is None:
     _msa = types.ModuleType("vllm.model_executor.warmup.minimax_m3_msa_warmup")
     _msa.minimax_m3_msa_warmup = lambda worker: None
     sys.modules.setdefault(_msa.__name__, _msa)
+
+
+def _after_import(name: str, patch) -> None:
+    """Run `patch(module)` once vLLM has imported module `name` (the stand-ins load while vLLM's package itself is
+    importing, before its submodules can be)."""
+    import importlib.abc
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _gdn_prefill_without_flashinfer(module) -> None:
+    """vLLM 0.34 picks FlashInfer's GDN prefill on Hopper for `gdn_prefill_backend` "auto" without asking whether
+    FlashInfer is installed; this image has none, so "auto" gets vLLM's Triton kernel, as it would elsewhere."""
+    resolve = getattr(module, "_resolve_gdn_prefill_backend", None)
+    if resolve is None:
+        return
+
+    def without_flashinfer(vllm_config):
+        requested, active = resolve(vllm_config)
+        return requested, "triton" if active == "flashinfer" else active
+
+    module._resolve_gdn_prefill_backend = without_flashinfer
+
+
+if importlib.util.find_spec("flashinfer") is None:
+    _after_import("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", _gdn_prefill_without_flashinfer)

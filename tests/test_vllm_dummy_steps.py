@@ -13,11 +13,12 @@ pytestmark = pytest.mark.vllm
 
 def test_a_step_without_metadata_runs_the_ple_layer_on_padding(vllm_process, tiny):
     from vllm.forward_context import set_forward_context
+    from vllm.platforms import current_platform
 
-    model = load(tiny["int8"], dtype="float32")
+    device = torch.device(current_platform.device_type)  # where vLLM puts the prefetch workspace: the engine's device
+    model = load(tiny["int8"], device=device, dtype="float32")
     block = model.model.ple_blocks[0]
     config = model.config
-    device = next(model.parameters()).device
     T = 12
     ids = torch.randint(3, config.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).to(device)
     streams = torch.randn(T, config.hc_count * config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)

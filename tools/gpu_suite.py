@@ -5,8 +5,9 @@ Each call runs, in pytest's order, the GPU tests (markers `gpu` or `vllm`, `mult
 starts none once --budget-s has passed, so the call ends inside the limit. Every test leaves one JSON there as it
 ends (outcome, seconds, message, figures, commit, code, vLLM release, device, graph mode: `helpers.records`); a test the
 limit cuts short anyway runs first in the next call. The run's other result files (`vllm_gpu_modes.json`, the run
-record `suite_vllm-*.json`) go into the folder beside `tests/`. Arguments after `--` go to pytest (without a test
-path, `tests`). <code> is `run_record.code_id()`, a hash of what every test runs (the package, the configs, the tests'
+record `suite_vllm-*.json`) go into the folder beside `tests/`. Each test module with tests left runs in a pytest
+process of its own: a CUDA fault (an illegal address poisons the process's context) stays in the module that
+caused it. Arguments after `--` go to pytest (without a test path, `tests`). <code> is `run_record.code_id()`, a hash of what every test runs (the package, the configs, the tests'
 helpers and workers), and each record names its test module's own (`run_record.module_id()`: the module and the
 test modules and benchmarks it reaches): a later commit that changes neither (results, docs, another test module)
 finds the records; a test whose module changed runs again.
@@ -20,6 +21,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,12 @@ def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bo
     if list_only:
         return cmd + ["--collect-only", "-q", *extra]
     return cmd + ["-q", "-rfE", "--budget-s", f"{budget_s:g}", "--results-dir", str(folder), *extra]
+
+
+def modules_left(listing: str) -> list[str]:
+    """The test modules of a `--collect-only -q` listing, in its order."""
+    paths = [line.partition("::")[0] for line in listing.splitlines() if "::" in line]
+    return list(dict.fromkeys(p for p in paths if p.endswith(".py") and " " not in p))
 
 
 def named_paths(args: list[str]) -> list[str]:
@@ -100,12 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(out), end="")
         return 0
-    cmd = pytest_command(out, args.budget_s, args.multi_gpu, args.list, extra)
-    print(f"{out}: {' '.join(cmd[1:])}", flush=True)
-    run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "QWEN4_EXP_HCU_COMMIT": sha})
+    env = {**os.environ, "QWEN4_EXP_HCU_COMMIT": sha}
+    listing = pytest_command(out, args.budget_s, args.multi_gpu, True, extra)
+    print(f"{out}: {' '.join(listing[1:])}", flush=True)
     if args.list:
+        subprocess.run(listing, cwd=ROOT, env=env)
         return 0
-    return run.returncode if run.returncode >= 0 else 128 - run.returncode  # killed by a signal: as a shell says it
+    left = subprocess.run(listing, cwd=ROOT, env=env, capture_output=True, text=True)
+    print("\n".join(line for line in left.stdout.splitlines() if "tests recorded" in line), flush=True)
+    options = [a for a in extra if a not in named_paths(extra)]
+    rootdir = Path(options[options.index("--rootdir") + 1]) if "--rootdir" in options else ROOT  # node ids' base
+    start, status = time.monotonic(), 0
+    for module in modules_left(left.stdout):
+        budget = args.budget_s - (time.monotonic() - start)
+        if budget <= 0:
+            print(f"budget spent: {module} and after wait for the next call", flush=True)
+            break
+        cmd = pytest_command(out, budget, args.multi_gpu, False, [*options, str(rootdir / module)])
+        print(f"{out}: {' '.join(cmd[1:])}", flush=True)
+        code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        code = code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
+        status = status if code in (0, 5) else code  # 5: nothing collected (every test of the module recorded)
+    return status
 
 
 if __name__ == "__main__":

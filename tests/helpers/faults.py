@@ -81,7 +81,9 @@ def scale_table_rows(patch=setattr, factor: float = ROW_ERROR) -> None:
 def shift_ple_state_restore(patch=setattr) -> None:
     """A prefix-cache hit restores each PLE window one entry late (the copy starts one position past the cached
     block's window). Patched where every vLLM runner asks for the copy functions: the model class (the running
-    engine's runner keeps them once built, so the fault goes into an engine started after it)."""
+    engine's runner keeps them once built, so the fault goes into an engine started after it). vLLM 0.34's runner
+    only reads which kind of copy each state takes and copies every state in one fused kernel
+    (`_shift_fused_ple_copies`)."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 
     from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
@@ -97,6 +99,49 @@ def shift_ple_state_restore(patch=setattr) -> None:
         return {**funcs, **({PLE_MAMBA_TYPE: (shifted, shifted)} if PLE_MAMBA_TYPE in funcs else {})}
 
     patch(Qwen4ExpForCausalLM, "get_mamba_state_copy_funcs", classmethod(with_shifted_ple))
+    _shift_fused_ple_copies(shifted, get_conv_copy_spec, patch)
+
+
+def _shift_fused_ple_copies(shifted, conv_copy, patch) -> None:
+    """Where vLLM copies the states in one fused kernel (`MambaSpecDecodeGPUContext`), a state marked `shifted`
+    takes the plain conv copy, and after each align-mode pre-copy the marked states are copied again from the same
+    source one token further along: their windows land one entry late."""
+    import copy
+
+    import torch
+
+    try:
+        from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext as Context
+        from vllm.v1.worker.mamba_utils import _get_mamba_spec_for_layer as layer_spec
+    except ImportError:  # runners that call the copy functions themselves
+        return
+    populate, precopy = Context._populate_metadata, Context.run_fused_precopy
+
+    def populate_marked(self, kv_cache_config, forward_context, copy_funcs, *tables):
+        marked, idx = [], 0
+        for group_id in self.mamba_group_ids:
+            group = kv_cache_config.kv_cache_groups[group_id]
+            for name in group.layer_names:
+                funcs = copy_funcs[layer_spec(group, name).mamba_type]
+                marked += [idx + i for i, f in enumerate(funcs) if f is shifted]
+                idx += len(funcs)
+        plain = {kind: tuple(conv_copy if f is shifted else f for f in funcs) for kind, funcs in copy_funcs.items()}
+        populate(self, kv_cache_config, forward_context, plain, *tables)
+        if marked:
+            only = torch.tensor(marked, device=self.state_base_addrs.device)
+            self.shifted_states = copy.copy(self)
+            for name in ("state_base_addrs", "state_block_strides", "state_elem_sizes", "state_inner_sizes",
+                         "state_conv_widths", "state_group_indices", "state_dim_row_count", "state_dim_row_stride"):
+                setattr(self.shifted_states, name, getattr(self, name)[only].contiguous())  # fmt: skip
+            self.shifted_states.num_states = len(marked)
+
+    def precopy_then_shift(self, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu, idx_mapping):
+        precopy(self, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu, idx_mapping)
+        if getattr(self, "shifted_states", None) is not None:
+            precopy(self.shifted_states, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu + 1, idx_mapping)
+
+    patch(Context, "_populate_metadata", populate_marked)
+    patch(Context, "run_fused_precopy", precopy_then_shift)
 
 
 def dense_attention_beyond_the_budget(patch=setattr) -> None:
