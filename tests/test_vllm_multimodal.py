@@ -20,6 +20,7 @@ from qwen4_exp_hcu.env import vision_available
 from qwen4_exp_hcu.tiny import dequantized_checkpoint, make_tiny_int8_checkpoint
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
+from helpers.faults import sequential_image_positions
 from helpers.references import greedy, greedy_image, greedy_video
 from helpers.scenarios import GPU_ENGINE, MAX_NEW_TOKENS, MULTIMODAL, PROMPTS, logprob_errors
 from helpers.vllm_inproc import load
@@ -171,19 +172,11 @@ def test_image_prompts_match_transformers(checkpoints, engine):
 @needs_vision
 def test_text_positions_for_image_tokens_are_caught(checkpoints, engine):
     """The image comparison is sensitive to M-RoPE: sequential positions for the image tokens (the
-    shortcut of a text-only model) must fail it."""
-    from qwen4_exp_hcu.model.multimodal import Qwen4ExpForConditionalGeneration
-
-    def sequential_positions(patch):
-        patch(
-            Qwen4ExpForConditionalGeneration, "get_mrope_input_positions",
-            lambda self, tokens, mm_features: (torch.arange(len(tokens)).expand(3, -1), 0),
-        )  # fmt: skip
-
+    shortcut of a text-only model, `faults.sequential_image_positions`) must fail it."""
     llm = engine.get(checkpoints["int8"], **FULL)
     start_fresh = lambda env: start_engine(checkpoints["int8"], env, **FULL)  # noqa: E731
     requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}} for p, img, _ in image_prompts(checkpoints)]
-    with with_fault(sequential_positions, llm, start_fresh) as broken:
+    with with_fault(sequential_image_positions, llm, start_fresh) as broken:
         outputs = run(broken, requests)
     errors = errors_of(outputs, image_references(checkpoints, outputs))
     print(f"MULTIMODAL-FAULT sequential image positions: logprob err mean {errors.mean():.4f} max {errors.max():.4f}")

@@ -18,7 +18,7 @@ import torch
 
 from qwen4_exp_hcu.model.model import report_ple_tables
 from helpers import engines
-from helpers.engines import EngineSlot, with_fault
+from helpers.engines import EngineSlot, fresh_with_fault, with_fault
 from helpers.faults import ROW_ERROR, break_state_carry, scale_table_rows, shift_ple_state_restore
 from helpers.references import greedy
 from helpers.scenarios import (
@@ -147,13 +147,8 @@ def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
     there in the miss too) must fail the comparison with transformers (measured 0.29 / 0.84), and the hit differs
     from the miss."""
     engine.close()  # a running engine keeps the copy functions it built: the fault goes into a fresh one
-    with pytest.MonkeyPatch.context() as patch:
-        shift_ple_state_restore(patch.setattr)
-        broken = start_engine(tiny["bf16"], {engines.MULTIPROCESSING: "0"})  # in this process, where the patch is
-        try:
-            prompt, miss, hit = prefix_runs(broken)
-        finally:
-            stop_engine(broken)
+    with fresh_with_fault(shift_ple_state_restore, lambda env: start_engine(tiny["bf16"], env)) as broken:
+        prompt, miss, hit = prefix_runs(broken)
     against_reference, hit_vs_miss, _ = prefix_errors(tiny, prompt, miss, hit)
     print(f"RESTORE-FAULT vs transformers mean {against_reference.mean():.4f} max {against_reference.max():.4f}, "
           f"hit vs miss max {hit_vs_miss.max():.4f} (tol {TINY.mean}, {TINY.max})")

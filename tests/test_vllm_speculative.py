@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import engines
 from helpers.engines import EngineSlot, with_fault
+from helpers.faults import keep_rejected_drafts
 from helpers.scenarios import EOS, GPU_ENGINE, MAX_NUM_BATCHED_TOKENS, PREFIX_PROMPT, SPECULATION, logprob_errors
 from helpers.steps import patch_forward_context
 
@@ -160,15 +161,7 @@ def test_ngram_speculation_equals_no_speculation(checkpoint, plain, engine, requ
 
 def test_keeping_rejected_drafts_in_the_state_is_caught(checkpoint, plain, ngram, engine):
     """The same comparison on an engine whose PLE layers store the window after the last draft, as if
-    every draft were accepted, must fail: the tolerance is sensitive to the rollback."""
-    import dataclasses
-
-    from qwen4_exp_hcu.model import ple_step
-
-    def keep_rejected_drafts(patch):
-        pack = ple_step.pack_speculative
-        patch(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
-
+    every draft were accepted (`faults.keep_rejected_drafts`), must fail: the tolerance is sensitive to the rollback."""
     llm = engine.get(checkpoint, speculative=SPECULATIVE, async_scheduling=False)  # still running after `ngram`
     start_fresh = lambda env: start_engine(checkpoint, env, SPECULATIVE)  # noqa: E731
     with with_fault(keep_rejected_drafts, llm, start_fresh) as broken_llm:

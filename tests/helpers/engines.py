@@ -7,18 +7,21 @@ start and ~5 s to stop on 2 cores, against ~3 s in-process). The multi-process s
 `test_vllm_errors.py`. On a GPU (see conftest) engines keep their own processes.
 
 One engine is alive at a time: `EngineSlot` keeps the last one running for the next test that asks for the
-same checkpoint and settings. Faults (`helpers.faults`) are injected into that running engine.
+same checkpoint and settings. Faults (`helpers.faults`) are injected into that running engine on the CPU, and into
+a fresh engine's own process on a GPU (`with_fault`).
 """
 
 import contextlib
 import gc
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.fault_plugin import injected
 from helpers.faults import UNCACHED
 
 IN_PROCESS = not torch.cuda.is_available()
@@ -106,24 +109,46 @@ class EngineSlot:
 
 @contextlib.contextmanager
 def with_fault(fault, llm, start_fresh):
-    """An engine with `fault(patch)` injected (`helpers.faults`; undone on exit). On the CPU that is `llm`
-    itself, running in this process, with its prefix cache emptied before and after (no block computed on
-    one side of the fault serves the other); on a GPU, where `llm` runs in its own processes, a fresh
-    engine `start_fresh(env=...)` with its core in this process."""
+    """An engine with `fault` injected (`helpers.faults`; undone on exit). On the CPU that is `llm` itself,
+    running in this process, with its prefix cache emptied before and after (no block computed on one side of
+    the fault serves the other); on a GPU, where `llm` runs in its own processes, `fresh_with_fault`."""
+    if not IN_PROCESS:
+        with fresh_with_fault(fault, start_fresh) as fresh:
+            yield fresh
+        return
     with pytest.MonkeyPatch.context() as patch:
         fault(patch.setattr)
-        if IN_PROCESS:
+        llm.reset_prefix_cache()
+        try:
+            yield llm
+        finally:
             llm.reset_prefix_cache()
-            try:
-                yield llm
-            finally:
-                llm.reset_prefix_cache()
-        else:
+
+
+@contextlib.contextmanager
+def fresh_with_fault(fault, start_fresh):
+    """A fresh engine `start_fresh(env=...)` with `fault` injected where its model runs (compiled afresh: a cached
+    graph would serve the correct forward). On the CPU its core runs in this process, under the patch; on a GPU
+    in a spawned process of its own, as every GPU engine here, which loads the fault as a vLLM plugin
+    (`helpers.fault_plugin`): a second CUDA engine inside the test process is not what users run."""
+    if IN_PROCESS:
+        with pytest.MonkeyPatch.context() as patch:
+            fault(patch.setattr)
             fresh = start_fresh(env={MULTIPROCESSING: "0", **UNCACHED})
             try:
                 yield fresh
             finally:
                 stop(fresh)
+        return
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # this process's plugins, before the fault's is on the path: it must not load here
+    with tempfile.TemporaryDirectory() as plugin, injected(fault.__name__, Path(plugin)):
+        fresh = start_fresh(env={MULTIPROCESSING: "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", **UNCACHED})
+        try:
+            yield fresh
+        finally:
+            stop(fresh)
 
 
 COMMUNICATOR_FILES = "vllm_dist_*-cpushm_*"

@@ -189,3 +189,24 @@ def swap_fused_expert_halves(patch=setattr) -> None:
         return load_weights(self, stream())
 
     patch(Qwen4ExpForCausalLM, "load_weights", swapped)
+
+
+def sequential_image_positions(patch=setattr) -> None:
+    """Image tokens get sequential positions (the shortcut of a text-only model) instead of M-RoPE's."""
+    import torch
+
+    from qwen4_exp_hcu.model.multimodal import Qwen4ExpForConditionalGeneration
+
+    patch(
+        Qwen4ExpForConditionalGeneration, "get_mrope_input_positions",
+        lambda self, tokens, mm_features: (torch.arange(len(tokens)).expand(3, -1), 0),
+    )  # fmt: skip
+
+
+def keep_rejected_drafts(patch=setattr) -> None:
+    """Speculative steps store the PLE window after the last draft, as if every draft were accepted."""
+    from qwen4_exp_hcu.model import ple_step
+
+    pack = ple_step.pack_speculative
+    patch(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
+
