@@ -15,6 +15,8 @@ patched in beyond the budget (the fault QSA guards against) must fail it at ever
 (vLLM's QSA kernels need the CuTe DSL and FlashAttention 3: `tools/gpu_cute_dsl.sh` brings both to the GPU machine.)
 """
 
+import os
+
 import pytest
 import torch
 
@@ -46,21 +48,30 @@ def prompts():
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def serve(checkpoint, prompts, faulted: bool = False) -> list[dict]:
-    """One concurrent batch through a fresh engine in this process (where a fault can be patched in)."""
+def serve(checkpoint, prompts, fault=None) -> list[dict]:
+    """One concurrent batch through a fresh engine, with `fault` (`helpers.faults`) injected where it runs."""
     from vllm import SamplingParams
 
-    env = {engines.MULTIPROCESSING: "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    env.update(faults.UNCACHED if faulted else {})
-    llm = engines.start(checkpoint, env=env, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024,
-                        max_num_seqs=len(prompts), seed=0, **GPU_ENGINE)  # fmt: skip
-    try:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the engine
+
+    def start(env):
+        return engines.start(checkpoint, env=env, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, seed=0,
+                             max_num_batched_tokens=1024, max_num_seqs=len(prompts), **GPU_ENGINE)  # fmt: skip
+
+    def run(llm):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         attention = llm.apply_model(lambda model: type(model.model.layers[1].self_attn).__name__)[0]
         return [{"tokens": list(o.outputs[0].token_ids), "attention": attention,
                  "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
                 for o in outs]  # fmt: skip
+
+    if fault is not None:
+        with engines.fresh_with_fault(fault, start) as llm:
+            return run(llm)
+    llm = start({})
+    try:
+        return run(llm)
     finally:
         engines.stop(llm)
 
@@ -93,11 +104,9 @@ def test_qsa_beyond_the_budget_matches_transformers(served, reference, record_pr
         assert tokens_equal and mean < LONG.mean and worst < LONG.max, (n, mean, worst)
 
 
-def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served, reference, monkeypatch,
-                                                     record_property):
+def test_dense_attention_beyond_the_budget_is_caught(checkpoint, prompts, served, reference, record_property):
     """The fault QSA guards against: dense attention over every token of the long prompts."""
-    faults.dense_attention_beyond_the_budget(monkeypatch.setattr)
-    dense = serve(checkpoint, prompts, faulted=True)
+    dense = serve(checkpoint, prompts, faults.dense_attention_beyond_the_budget)
     assert {s["attention"] for s in dense} == {"DenseGatedAttention"}
     rows = errors_per_prompt(dense, reference)
     correct = {n: mean for n, mean, *_ in errors_per_prompt(served, reference)}
