@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.run_record import ROOT, code_files, code_id, module_id, release, shared_files
+from helpers.run_record import ROOT, code_files, code_id, module_id, reach, release, shared_files
 
 TESTS_DIR = Path(__file__).parent
 TOOL = TESTS_DIR.parent / "tools" / "gpu_suite.py"
@@ -240,8 +240,12 @@ def test_records_are_named_by_the_code_they_ran_not_by_results_or_docs():
     assert "benchmarks/figures.py" not in files and "benchmarks/bench_serve.py" in files
     assert len(code_id()) == 12 and code_id() == code_id()
     shared = {p.relative_to(ROOT).as_posix() for p in shared_files()}
-    assert "tests/helpers/scenarios.py" in shared and "tests/vllm_gpu_worker.py" in shared
+    assert {"tests/conftest.py", "tests/gpu_vllm_stand_ins.py", "pyproject.toml"} <= shared  # the stand-ins: every engine's
     assert not {f for f in shared if f.startswith("tests/test_")} and "tests/helpers/records.py" not in files
-    # a test module's own: itself, the test modules and the benchmarks it reaches
+    # a test module's own: itself and the test modules, helpers, test scripts and benchmarks it reaches
+    gpu = {p.relative_to(ROOT).as_posix() for p in reach(ROOT / "tests/test_vllm_gpu.py")}
+    assert {"tests/helpers/scenarios.py", "tests/helpers/faults.py", "tests/vllm_gpu_worker.py"} <= gpu
+    assert not {"tests/helpers/scenarios.py", "tests/helpers/faults.py", "tests/vllm_gpu_worker.py"} & shared
+    assert "tests/helpers/layers.py" not in gpu  # a helper the module never names
     assert module_id(ROOT / "tests/test_vllm_gpu_formats.py") != module_id(ROOT / "tests/test_vllm_gpu.py")
     assert "benchmarks/bench_serve.py" not in shared

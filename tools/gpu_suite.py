@@ -6,11 +6,12 @@ starts none once --budget-s has passed, so the call ends inside the limit. Every
 ends (outcome, seconds, message, figures, commit, code, vLLM release, device, graph mode: `helpers.records`); a test the
 limit cuts short anyway runs first in the next call. The run's other result files (`vllm_gpu_modes.json`, the run
 record `suite_vllm-*.json`) go into the folder beside `tests/`. Each test module with tests left runs in a pytest
-process of its own: a CUDA fault (an illegal address poisons the process's context) stays in the module that
-caused it. Arguments after `--` go to pytest (without a test path, `tests`). <code> is `run_record.code_id()`, a hash of what every test runs (the package, the configs, the tests'
-helpers and workers), and each record names its test module's own (`run_record.module_id()`: the module and the
-test modules and benchmarks it reaches): a later commit that changes neither (results, docs, another test module)
-finds the records; a test whose module changed runs again.
+process of its own: a CUDA fault (an illegal address poisons the process's context) stays in the module that caused
+it. Arguments after `--` go to pytest (without a test path, `tests`). <code> is `run_record.code_id()`, a hash of
+what every test runs (the package, the configs, conftest, the GPU machine's stand-ins), and each record names its
+test module's own (`run_record.module_id()`: the module and the test modules, helpers, workers and benchmarks it
+names): a later commit that changes neither (results, docs, another test module, a helper it does not use) finds the
+records; a test whose module or helper changed runs again.
 
     QWEN4_EXP_HCU_COMMIT=<commit> python3 tools/gpu_suite.py --budget-s 420    # on the GPU machine, again and again
     python3 tools/gpu_suite.py --list --vllm 0.33.0          # this tree's: what is left (collects, runs nothing)

@@ -38,9 +38,12 @@ CODE_PARTS = ("qwen4_exp_hcu", "tests", "configs", "benchmarks", "pyproject.toml
 CODE_SUFFIXES = (".py", ".c", ".h", ".toml", ".yaml", ".json")
 NOT_CODE = ("benchmarks/results/", "benchmarks/figures.py", "tests/helpers/records.py", "tests/helpers/run_record.py")
 TEST_MODULE = re.compile(r"tests/(test_\w+)\.py")
-# A test module's or benchmark's reach: the test modules and benchmarks it names (imports, `-m benchmarks.x`, paths).
+# A file's reach: the test modules, helpers, test scripts and benchmarks it names (imports, `-m benchmarks.x`, paths).
 NAMED_TEST_MODULE = re.compile(r"^\s*(?:from|import)\s+(test_\w+)", re.M)
 NAMED_BENCHMARK = re.compile(r"benchmarks[./](\w+)|from benchmarks import \(?([\w ,\n]+)")
+NAMED_HELPER = re.compile(r"\bhelpers[./](\w+)|from helpers import \(?([\w ,\n]+)")
+# Loaded by the GPU machine's environment into every vLLM process (../shared/gpu-vllm's setup.sh), named by none.
+ENVIRONMENT = ("tests/gpu_vllm_stand_ins.py",)
 
 
 @cache
@@ -56,19 +59,33 @@ def code_files() -> tuple[Path, ...]:
     return tuple(sorted(found))
 
 
-def reach(path: Path) -> set[Path]:
-    """`path` and the test modules and benchmarks it names, and theirs, and so on."""
+@cache
+def _scripts() -> dict[str, Path]:
+    """The test scripts a test names by their file's stem (workers, the release runner, their stand-ins)."""
+    return {p.stem: p for p in (ROOT / "tests").glob("*.py")
+            if not p.name.startswith("test_") and p.name != "conftest.py" and p.relative_to(ROOT).as_posix() not in ENVIRONMENT}  # fmt: skip
+
+
+def _names(found) -> list[str]:
+    return [name.strip() for one, many in found for name in [one, *many.replace("(", "").split(",")] if name.strip()]
+
+
+@cache
+def reach(path: Path, test_modules: bool = True) -> set[Path]:
+    """`path` and the code it names (test modules only with `test_modules`), and theirs, and so on."""
+    scripts, code = _scripts(), set(code_files())
+    named_script = re.compile(r"\b(" + "|".join(map(re.escape, scripts)) + r")\b") if scripts else None
     found, todo = set(), [path]
     while todo:
         current = todo.pop()
-        if current in found or not current.is_file():
+        if current in found or not current.is_file() or (current != path and current not in code):
             continue
         found.add(current)
         text = current.read_text()
-        todo += [ROOT / "tests" / f"{name}.py" for name in NAMED_TEST_MODULE.findall(text)]
-        for one, many in NAMED_BENCHMARK.findall(text):
-            todo += [ROOT / "benchmarks" / f"{name.strip()}.py" for name in [one] + many.replace("(", "").split(",")
-                     if name.strip()]  # fmt: skip
+        todo += [ROOT / "tests" / f"{name}.py" for name in NAMED_TEST_MODULE.findall(text) if test_modules]
+        todo += [ROOT / "benchmarks" / f"{name}.py" for name in _names(NAMED_BENCHMARK.findall(text))]
+        todo += [ROOT / "tests" / "helpers" / f"{name}.py" for name in _names(NAMED_HELPER.findall(text))]
+        todo += [scripts[name] for name in named_script.findall(text)] if named_script else []
     return found
 
 
@@ -83,13 +100,15 @@ def _is_benchmark(path: Path) -> bool:
 
 @cache
 def shared_files() -> tuple[Path, ...]:
-    """What every test runs: the package, the configs, the tests' helpers, workers and conftest, and the benchmarks
-    those name. The test modules and the other benchmarks count for the tests that reach them (`module_id`)."""
-    files = code_files()
-    shared = {p for p in files if not _is_test_module(p) and not _is_benchmark(p)}
-    helpers = [p for p in shared if p.suffix == ".py" and p.is_relative_to(ROOT / "tests")]  # the package names none
-    named = set().union(*(reach(p) for p in helpers)) & set(files)
-    return tuple(sorted(shared | {p for p in named if _is_benchmark(p)}))
+    """What every test runs: the package, the configs, conftest and what it names, the GPU machine's stand-ins, and
+    any file under tests/ that no test module names. The test modules, and the helpers, test scripts and benchmarks
+    they name, count for the tests that reach them (`module_id`): a fix to one helper reruns the tests that use it."""
+    files = set(code_files())
+    modules = [p for p in files if _is_test_module(p)]
+    named = set().union(*(reach(p) for p in modules)) - {ROOT / e for e in ENVIRONMENT}
+    by_module = {p for p in files if _is_test_module(p) or _is_benchmark(p)} | (named & files)
+    conftest = set().union(*(reach(p, test_modules=False) for p in files if p.name == "conftest.py")) & files
+    return tuple(sorted((files - by_module) | conftest))
 
 
 def _digest(paths) -> str:
@@ -108,8 +127,9 @@ def code_id() -> str:
 
 @cache
 def module_id(module: Path) -> str:
-    """A hash of what a test module adds to `code_id`: itself and the test modules and benchmarks it reaches. A
-    record holds for a tree whose `code_id` names its folder and whose `module_id` of its module is the record's."""
+    """A hash of what a test module adds to `code_id`: itself and the test modules, helpers, test scripts and
+    benchmarks it reaches. A record holds for a tree whose `code_id` names its folder and whose `module_id` of its
+    module is the record's."""
     module = module.resolve()
     reached = {p for p in reach(module) if p == module or p in set(code_files())}
     return _digest(reached - set(shared_files()))
