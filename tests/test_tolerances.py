@@ -133,7 +133,8 @@ def _measured(figure) -> bool:
     return isinstance(figure, tuple)
 
 
-FAULTS = [f for name, f in inspect.getmembers(faults, inspect.isfunction) if f.__module__ == faults.__name__]
+FAULTS = [f for name, f in inspect.getmembers(faults, inspect.isfunction)
+          if f.__module__ == faults.__name__ and not name.startswith("_")]  # fmt: skip
 
 
 @pytest.mark.vllm
