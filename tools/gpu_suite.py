@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(listing, cwd=ROOT, env=env)
         return 0
     left = subprocess.run(listing, cwd=ROOT, env=env, capture_output=True, text=True)
+    if left.returncode not in (0, 5):  # the collection failed (5: nothing left to collect)
+        print(left.stdout + left.stderr, flush=True)
+        return left.returncode
     print("\n".join(line for line in left.stdout.splitlines() if "tests recorded" in line), flush=True)
     options = [a for a in extra if a not in named_paths(extra)]
     rootdir = Path(options[options.index("--rootdir") + 1]) if "--rootdir" in options else ROOT  # node ids' base

@@ -209,4 +209,3 @@ def keep_rejected_drafts(patch=setattr) -> None:
 
     pack = ple_step.pack_speculative
     patch(ple_step, "pack_speculative", lambda m, ids: dataclasses.replace(pack(m, ids), verify=None))
-
