@@ -243,7 +243,7 @@ def _cleanup() -> None:
     rotary_embedding._ROPE_DICT.clear()
 
 
-def _start(path):
+def _start(path, env=None):
     from test_vllm_parity import start_engine
 
     kwargs = {"distributed_executor_backend": "uni"}  # the worker in this process, too
@@ -251,7 +251,7 @@ def _start(path):
         from helpers.scenarios import GPU_ENGINE
 
         kwargs.update(GPU_ENGINE, mm_encoder_attn_backend="TORCH_SDPA")
-    return start_engine(path, **kwargs)
+    return start_engine(path, env, **kwargs)
 
 
 def _start_as_released(release, path, records, monkeypatch):
@@ -285,16 +285,12 @@ def _start_as_released(release, path, records, monkeypatch):
 
 def served_errors(llm, path, oracle) -> tuple[torch.Tensor, bool]:
     """(The top-5 logprob errors of PROMPTS served by `llm` against transformers on `oracle`, whether the greedy tokens
-    are equal); `llm` is stopped."""
-    from helpers.engines import stop
+    are equal)."""
     from helpers.references import greedy
     from helpers.scenarios import logprob_errors
     from test_vllm_parity import generate, tokens
 
-    try:
-        outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
-    finally:
-        stop(llm)
+    outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
     reference = greedy(oracle, PROMPTS, NEW_TOKENS, tokens(outputs))
     errors = torch.cat([logprob_errors(o.logprobs, r["logprobs"])
                         for o, r in zip(outputs, reference, strict=True)])  # fmt: skip
@@ -304,6 +300,7 @@ def served_errors(llm, path, oracle) -> tuple[torch.Tensor, bool]:
 @pytest.mark.vllm
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_served_matches_transformers(release, releases, watch_loading, monkeypatch, tmp_path):
+    from helpers.engines import stop
     from helpers.scenarios import RELEASE_LAYOUTS
 
     path = releases[release]
@@ -317,7 +314,10 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
         llm = _start(write_cpu_substitute(path, tmp_path / "cpu-substitute"))
         watch_loading[-1].assert_all_consumed()
     tables = {b.table_report()["dtype"] for b in watch_loading[-1].model.language_model.model.ple_blocks}
-    errors, tokens_equal = served_errors(llm, path, oracle)
+    try:
+        errors, tokens_equal = served_errors(llm, path, oracle)
+    finally:
+        stop(llm)
     assert tables == {"bfloat16" if release == "bf16" else "float8_e4m3fn"}
     assert tokens_equal
     print(f"{release}, {served}: top-5 logprobs vs transformers: mean {errors.mean():.4f}, max {errors.max():.4f}")
@@ -325,17 +325,15 @@ def test_release_served_matches_transformers(release, releases, watch_loading, m
 
 
 @pytest.mark.vllm
-def test_release_experts_with_gate_and_up_swapped_are_caught(releases, monkeypatch, tmp_path):
+def test_release_experts_with_gate_and_up_swapped_are_caught(releases, tmp_path):
     """The BF16 release with its fused experts' gate and up halves swapped at loading
     (`faults.swap_fused_expert_halves`) must fail the same comparison."""
-    from helpers.faults import UNCACHED, swap_fused_expert_halves
+    from helpers.engines import fresh_with_fault
+    from helpers.faults import swap_fused_expert_halves
     from helpers.scenarios import RELEASE_LAYOUTS
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where the fault is
-    for name, value in UNCACHED.items():
-        monkeypatch.setenv(name, value)
-    swap_fused_expert_halves(monkeypatch.setattr)
     oracle = write_oracle(releases["bf16"], tmp_path / "oracle")
-    errors, _ = served_errors(_start(releases["bf16"]), releases["bf16"], oracle)
+    with fresh_with_fault(swap_fused_expert_halves, lambda env: _start(releases["bf16"], env)) as llm:
+        errors, _ = served_errors(llm, releases["bf16"], oracle)
     print(f"bf16, experts' gate and up swapped: mean {errors.mean():.4f}, max {errors.max():.4f}")
     assert not RELEASE_LAYOUTS.holds(errors)

@@ -113,21 +113,28 @@ def test_wrong_main_scales_are_caught(checkpoints):
 FORMATS = {"fp8-bf16-scale": ("fp8", torch.bfloat16), "fp8-fp32-scale": ("fp8", torch.float32), "nvfp4": ("nvfp4", None)}
 
 
-def serve_table_format(variant, tiny, root, env=None) -> tuple[set[str], torch.Tensor, bool]:
-    """The tiny checkpoint with its PLE tables in `variant`'s layout, served (`env` set while the engine starts):
-    (the tables' stored dtypes, the logprob errors against transformers on the dequantized rows, whether the greedy
-    tokens are equal)."""
+def serve_table_format(variant, tiny, root, fault=None) -> tuple[set[str], torch.Tensor, bool]:
+    """The tiny checkpoint with its PLE tables in `variant`'s layout, served (with `fault` injected, on a fresh
+    engine: `engines.fresh_with_fault`): (the tables' stored dtypes, the logprob errors against transformers on the
+    dequantized rows, whether the greedy tokens are equal)."""
     from helpers.checkpoints import upstream_table_checkpoints
 
     fmt, scale_dtype = FORMATS[variant]
     served = upstream_table_checkpoints(tiny["bf16"], root / fmt, root / "oracle", fmt, scale_dtype)
-    llm = start_engine(served, env)
-    try:
-        tables = llm.apply_model(report_ple_tables)[0]["now"]
-        outputs = generate(llm, PROMPTS)
-    finally:
-        stop_engine(llm)
+    if fault is None:
+        llm = start_engine(served)
+        try:
+            tables, outputs = _tables_and_outputs(llm)
+        finally:
+            stop_engine(llm)
+    else:
+        with engines.fresh_with_fault(fault, lambda env: start_engine(served, env)) as llm:
+            tables, outputs = _tables_and_outputs(llm)
     return {t["dtype"] for t in tables}, *errors(outputs, root / "oracle")
+
+
+def _tables_and_outputs(llm):
+    return llm.apply_model(report_ple_tables)[0]["now"], generate(llm, PROMPTS)
 
 
 @pytest.mark.parametrize("variant", list(FORMATS))
@@ -144,9 +151,6 @@ def test_upstream_fp8_and_nvfp4_tables_served(variant, tiny, tmp_path_factory):
 def test_table_scale_off_is_caught(tiny, tmp_path_factory):
     """The FP8 table with every row read 10 % too large (what its table-level scale that far off does,
     `faults.scale_table_rows`) must fail `TABLE_FORMATS`."""
-    with pytest.MonkeyPatch.context() as patch:
-        scale_table_rows(patch.setattr)
-        root = tmp_path_factory.mktemp("fault")
-        _, errs, _ = serve_table_format("fp8-bf16-scale", tiny, root, {engines.MULTIPROCESSING: "0"})  # where the patch is
+    _, errs, _ = serve_table_format("fp8-bf16-scale", tiny, tmp_path_factory.mktemp("fault"), fault=scale_table_rows)
     print(f"fp8-bf16-scale, rows {ROW_ERROR:.2f}x: mean {errs.mean():.4f}, max {errs.max():.4f}")
     assert not TABLE_FORMATS.holds(errs)
