@@ -98,8 +98,21 @@ def shift_ple_state_restore(patch=setattr) -> None:
         funcs = copy_funcs(cls, mamba_types)
         return {**funcs, **({PLE_MAMBA_TYPE: (shifted, shifted)} if PLE_MAMBA_TYPE in funcs else {})}
 
-    patch(Qwen4ExpForCausalLM, "get_mamba_state_copy_funcs", classmethod(with_shifted_ple))
+    for cls in _model_classes():
+        patch(cls, "get_mamba_state_copy_funcs", classmethod(with_shifted_ple))
     _shift_fused_ple_copies(shifted, get_conv_copy_spec, patch)
+
+
+def _model_classes() -> list[type]:
+    """This package's model classes (the multimodal one where its imports are installed): the multimodal class takes
+    the text class's attributes when its module loads, so a fault on the text class alone misses it once loaded."""
+    from qwen4_exp_hcu.model.model import Qwen4ExpForCausalLM
+
+    try:
+        from qwen4_exp_hcu.model.multimodal import Qwen4ExpForConditionalGeneration
+    except ImportError:
+        return [Qwen4ExpForCausalLM]
+    return [Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration]
 
 
 def _shift_fused_ple_copies(shifted, conv_copy, patch) -> None:
