@@ -1,6 +1,7 @@
 """Torch stand-ins for vLLM's compiled ops (0.33, 0.34) that GPU runs of this repo reach through
-`../shared/gpu-vllm` (its Python-only engine; `setup.sh` loads this file). Environment plumbing for that tool, never package code:
-real deployments have vLLM's compiled ops. Each is capture-safe (no host syncs) and writes into its outputs.
+`../shared/gpu-vllm` (its Python-only engine; `setup.sh` loads this file). Environment plumbing for that tool,
+never package code: real deployments have vLLM's compiled ops. Each is capture-safe (no host syncs) and writes
+into its outputs.
 """
 
 import importlib.util

