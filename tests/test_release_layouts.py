@@ -244,7 +244,7 @@ def _cleanup() -> None:
 
 
 def _start(path, env=None):
-    from test_vllm_parity import start_engine
+    from helpers.tiny_engine import start_engine
 
     kwargs = {"distributed_executor_backend": "uni"}  # the worker in this process, too
     if torch.cuda.is_available():  # engine settings every vLLM 0.33 GPU install runs, vision tower without FlashAttention
@@ -288,7 +288,7 @@ def served_errors(llm, path, oracle) -> tuple[torch.Tensor, bool]:
     are equal)."""
     from helpers.references import greedy
     from helpers.scenarios import logprob_errors
-    from test_vllm_parity import generate, tokens
+    from helpers.tiny_engine import generate, tokens
 
     outputs = generate(llm, PROMPTS, max_tokens=NEW_TOKENS)
     reference = greedy(oracle, PROMPTS, NEW_TOKENS, tokens(outputs))

@@ -11,16 +11,14 @@ the log-probabilities are what catch a wrong PLE/GDN state: a state bug moves th
 bf16 noise by < 0.01.
 """
 
-import os
-
 import pytest
 import torch
 
 from qwen4_exp_hcu.model.model import report_ple_tables
-from helpers import engines
 from helpers.engines import EngineSlot, fresh_with_fault, with_fault
 from helpers.faults import ROW_ERROR, break_state_carry, scale_table_rows, shift_ple_state_restore
 from helpers.references import greedy
+from helpers.tiny_engine import generate, start_engine, tokens
 from helpers.scenarios import (
     EOS,
     TINY,
@@ -36,41 +34,11 @@ from helpers.scenarios import (
 pytestmark = pytest.mark.vllm
 
 
-def start_engine(path, env=None, **kwargs):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to an engine process
-    return engines.start(
-        path,
-        env,
-        dtype="bfloat16",
-        max_model_len=512,  # = the tiny config's indexer_budget: the most dense attention may serve
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_num_seqs=4,
-        gpu_memory_utilization=0.5,
-        seed=0,
-        **kwargs,
-    )
-
-
-stop_engine = engines.stop
-
-
 @pytest.fixture(scope="module")
 def engine():
     slot = EngineSlot(start_engine)
     yield slot
     slot.close()
-
-
-def generate(llm, prompts, max_tokens=MAX_NEW_TOKENS, full=False):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return outputs if full else [o.outputs[0] for o in outputs]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [list(out.token_ids) for out in outputs]
 
 
 def assert_matches_reference(outputs, reference) -> None:

@@ -19,11 +19,11 @@ from helpers import engines
 from helpers.checkpoints import quantize_main
 from helpers.faults import ROW_ERROR, scale_table_rows
 from helpers.references import greedy
+from helpers.tiny_engine import generate, start_engine, stop_engine, tokens
 from helpers.scenarios import MAX_NEW_TOKENS, PROMPTS, QUANTIZED_MAIN, TABLE_FORMATS, logprob_errors
 from qwen4_exp_hcu.model.model import report_ple_tables
 from qwen4_exp_hcu.quantize import quantize_checkpoint
 from qwen4_exp_hcu.tiny import dequantized_checkpoint
-from test_vllm_parity import generate, start_engine, stop_engine, tokens
 
 pytestmark = pytest.mark.vllm
 
