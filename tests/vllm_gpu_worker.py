@@ -93,7 +93,8 @@ def main() -> None:
 
         hot_rows.REFRESH_EVERY = HOT_ROWS_REFRESH_EVERY
 
-    from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS, PROMPTS, prefix_prompt
+    from helpers.scenarios import MAX_NEW_TOKENS, PROMPTS, prefix_prompt
+    from helpers.tiny_engine import SETTINGS
     from vllm import LLM, SamplingParams
 
     from qwen4_exp_hcu.model.model import report_ple_tables
@@ -101,12 +102,8 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(
         model=args.checkpoint,
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_num_seqs=4,
+        **SETTINGS,
         gpu_memory_utilization=0.1,
-        seed=0,
         **engine_kwargs(args.mode, args.emulate_precision_casts),
     )
     startup_s = time.monotonic() - t0

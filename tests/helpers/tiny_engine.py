@@ -11,19 +11,15 @@ from helpers import engines
 from helpers.scenarios import MAX_NEW_TOKENS, MAX_NUM_BATCHED_TOKENS
 
 
+# The engine arguments every tiny-checkpoint test shares (its GPU memory share is each caller's).
+SETTINGS = dict(
+    dtype="bfloat16", max_model_len=512, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=4, seed=0
+)
+
+
 def start_engine(path, env=None, **kwargs):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to an engine process
-    return engines.start(
-        path,
-        env,
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_num_seqs=4,
-        gpu_memory_utilization=0.5,
-        seed=0,
-        **kwargs,
-    )
+    return engines.start(path, env, **SETTINGS, gpu_memory_utilization=0.5, **kwargs)
 
 
 stop_engine = engines.stop
