@@ -516,7 +516,9 @@ def suite(docs: list[dict]) -> Cells:
 S30 = "serve_release_breakable_session30/"
 SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one code on vLLM 0.34: an H100's
 H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # and an H200's
-BACKGROUND_034 = "gpu_suite/85a9fc9a489e_0.34.0/"  # and an H100's, `suite-start`
+BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and an H100's, `suite-start`
+BACKGROUND_034_RUNS = tuple(f"{BACKGROUND_034}suite_vllm-0.34.0_{t}.json" for t in (
+    "20261206T145302", "20261206T145948", "20261206T150741", "20261206T151124", "20261206T151424"))
 LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
 H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("20261205T125253", "20261205T130021",
                                                                        "20261205T130808", "20261205T131643"))
@@ -707,6 +709,8 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             for t in ("20261205T101104", "20261205T101954")), suite),
         Row("the GPU suite's run records: long context, MTP, release layouts, graph modes, file tier, table formats",
             H200_034_RUNS, suite),
+        Row("the GPU suite's run records: parity, quantized main models and table formats, multimodal, release layouts, "
+            "long context", BACKGROUND_034_RUNS, suite),
     ]),
 ]
 
@@ -720,10 +724,10 @@ SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_A
                    "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
                    "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
                    "suite (again until 0 left; the CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
-SUITE_START_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 FIRST='tests/test_vllm_long_context.py "
-                    "tests/test_vllm_releases.py tests/test_release_layouts.py tests/test_vllm_speculative.py "
-                    "tests/test_vllm_gpu.py tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' "
-                    "bash tools/gpu_session.sh suite-start, then `suite-wait` calls (the CuTe DSL stashed first)")
+SUITE_START_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 BUDGET=1400 FIRST='tests/test_vllm_parity.py "
+                    "tests/test_vllm_quantized.py tests/test_vllm_multimodal.py tests/test_release_layouts.py "
+                    "tests/test_vllm_long_context.py' bash tools/gpu_session.sh suite-start, then `suite-wait` calls (the "
+                    "CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
 NO_PLE = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
           "ple_layer_ids=[])\" && ")
 SOAK_CALL = ("{env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
@@ -750,6 +754,7 @@ COMMANDS = {
     **{name: SUITE_H200_CALL for name in H200_034_RUNS},
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
     **{f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json": SUITE_START_CALL for t in LONG_TESTS},
+    **{name: SUITE_START_CALL for name in BACKGROUND_034_RUNS},
     **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     S034: S034_CALL,
