@@ -500,28 +500,30 @@ def peer(docs: list[dict]) -> Cells:
                  f"**{num(d['mean_abs'], 4)} / {num(d['max_abs'], 3)}** (mean / max over {d['compared']} entries); 1 round")
 
 
-def suite(docs: list[dict]) -> Cells:
-    """The run records of one suite over one or more calls: the test files, the outcomes summed."""
-    files = ", ".join(dict.fromkeys(f"`{t.partition('::')[0].removeprefix('tests/')}`" for d in docs for t in d["tests"]))
-    totals: dict[str, int] = {}
-    for d in docs:
-        for outcome, n in d["counts"].items():
-            totals[outcome] = totals.get(outcome, 0) + n
-    counts = ", ".join(f"{n} {outcome}" for outcome, n in totals.items())
-    calls = f"; {len(docs)} calls" if len(docs) > 1 else f"; exit status {docs[0]['exit_status']}"
-    return Cells(f"{files} on vLLM {docs[0]['vllm']}: **{counts}**{calls}")
+def suite_summary(docs: list[dict]) -> Cells:
+    """One release's GPU suite on one code (`tools/gpu_suite.py --summary`): outcomes, why a test did not pass, what
+    is left."""
+    doc = docs[0]
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in doc["outcomes"].items())
+    text = f"code {doc['code']} on vLLM {doc['vllm']}: **{doc['recorded']} of {doc['tests']} tests recorded: {counts}**"
+    text += "".join(f"; `{t.removeprefix('tests/')}` {why}" for t, why in doc["not_passed"].items())
+    left: dict[str, int] = {}
+    for nodeid in doc["left"]:
+        module = nodeid.partition("::")[0].removeprefix("tests/")
+        left[module] = left.get(module, 0) + 1
+    if left:
+        text += f"; {len(doc['left'])} left: " + ", ".join(f"`{m}` {n}" for m, n in left.items())
+    if doc["multi_gpu"]:
+        text += f"; {len(doc['multi_gpu'])} multi-GPU tests not run (no machine of several GPUs)"
+    return Cells(text + f"; commits {', '.join(doc['commits'])}",
+                 limit="every GPU test this tree collects (`python3 tools/gpu_suite.py --list`)")
 
 
 # The rows. Release geometry: the release's per-layer shapes, 48 layers, QSA budget 2048, the TP4 rank's 13 GB INT8 table.
 S30 = "serve_release_breakable_session30/"
-SUITE034 = "gpu_suite/96f6b45_0.34.0/"  # the GPU suite's records of one code on vLLM 0.34: an H100's
-H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # and an H200's
-BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and an H100's, `suite-start`
-BACKGROUND_034_RUNS = tuple(f"{BACKGROUND_034}suite_vllm-0.34.0_{t}.json" for t in (
-    "20261206T145302", "20261206T145948", "20261206T150741", "20261206T151124", "20261206T151424"))
+H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # the GPU suite's records of an earlier code on vLLM 0.34, an H200's
+BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and of this code, an H100's
 LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
-H200_034_RUNS = tuple(f"{H200_034}suite_vllm-0.34.0_{t}.json" for t in ("20261205T125253", "20261205T130021",
-                                                                       "20261205T130808", "20261205T131643"))
 FDO22 = "serve_release_files_fdo_session22/"
 S034 = "serve_release_034_disk_tiers/bench_serve.json"
 S034_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 PROMPTS=text SERVE_OUT=/tmp/sbs SERVE_ARGS='--cold-reads "
@@ -705,21 +707,13 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             tuple(f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json" for t in LONG_TESTS), long_context),
         Row("ours against vLLM's own class, the same tiny BF16 checkpoint, eager", ("peer_logprobs_eager.json",), peer,
             "`TINY` 0.012 / 0.12"),
-        Row("the GPU suite's run records: kernels and every graph mode", tuple(f"{SUITE034}suite_vllm-0.34.0_{t}.json"
-            for t in ("20261205T101104", "20261205T101954")), suite),
-        Row("the GPU suite's run records: long context, MTP, release layouts, graph modes, file tier, table formats",
-            H200_034_RUNS, suite),
-        Row("the GPU suite's run records: parity, quantized main models and table formats, multimodal, release layouts, "
-            "long context", BACKGROUND_034_RUNS, suite),
+        Row("the GPU suite on this code, vLLM 0.34: one record a test", (f"{BACKGROUND_034}summary.json",),
+            suite_summary),
     ]),
 ]
 
 # The commands of the result files that record none, or whose recorded writer no longer times what they hold
 # (the multi-GPU tests now check exactness and bytes; their timing is benchmarks/bench_etp.py's).
-SUITE_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_ARGS='tests/test_table.py tests/test_file_rows.py "
-              "tests/test_sync_free.py tests/test_formats.py tests/test_layer.py tests/test_ple_gate.py tests/test_prefetch.py "
-              "tests/test_short_conv.py tests/test_vllm_gpu.py tests/test_hyper_connection.py' bash tools/gpu_session.sh suite "
-              "(again until 0 left)")
 SUITE_H200_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 SUITE_ARGS='tests/test_vllm_long_context.py "
                    "tests/test_vllm_speculative.py tests/test_release_layouts.py tests/test_vllm_gpu.py "
                    "tests/test_vllm_file_tier.py tests/test_vllm_gpu_formats.py tests/test_mtp.py' bash tools/gpu_session.sh "
@@ -728,6 +722,9 @@ SUITE_START_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM=.gpu-vllm-034 BUDGET
                     "tests/test_vllm_quantized.py tests/test_vllm_multimodal.py tests/test_release_layouts.py "
                     "tests/test_vllm_long_context.py' bash tools/gpu_session.sh suite-start, then `suite-wait` calls (the "
                     "CuTe DSL stashed first: tools/gpu_cute_dsl.sh)")
+SUITE_SUMMARY_CALL = ("QWEN4_EXP_HCU_COMMIT=<commit> GPU_VLLM={folder} bash tools/gpu_session.sh suite-start, then suite-wait "
+                      "calls, over as many device sessions as it takes (the CuTe DSL stashed first: tools/gpu_cute_dsl.sh; "
+                      "each call's gpu_suite.tar untarred here), then python3 tools/gpu_suite.py --summary --vllm {release}")
 NO_PLE = ("python -c \"from qwen4_exp_hcu.tiny import make_tiny_checkpoint; make_tiny_checkpoint('/tmp/tiny-no-ple', "
           "ple_layer_ids=[])\" && ")
 SOAK_CALL = ("{env}python -m benchmarks.serve_load --mode soak --variant host_int8={ckpt} --concurrency 4 "
@@ -749,12 +746,9 @@ COMMANDS = {
                                              'host_int8_files5" bash tools/gpu_session.sh write serve',
     FDO22 + "budgets_20_100/bench_serve.json": 'PROMPTS="text uniform" VARS="host_int8_files20 host_int8_files100" '
                                                "bash tools/gpu_session.sh serve",
-    **{f"{SUITE034}suite_vllm-0.34.0_{t}.json": SUITE_CALL for t in ("20261205T101104", "20261205T101954")},
-    f"{SUITE034}vllm_gpu_modes.json": SUITE_CALL,
-    **{name: SUITE_H200_CALL for name in H200_034_RUNS},
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
     **{f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json": SUITE_START_CALL for t in LONG_TESTS},
-    **{name: SUITE_START_CALL for name in BACKGROUND_034_RUNS},
+    f"{BACKGROUND_034}summary.json": SUITE_SUMMARY_CALL.format(folder=".gpu-vllm-034", release="0.34.0"),
     **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     S034: S034_CALL,

@@ -203,6 +203,25 @@ def test_the_suite_resumes_where_a_killed_run_stopped(tmp_path):
     assert "4 of 4 tests recorded, 0 left" in last.stdout
 
 
+def test_the_summary_counts_current_records_against_the_suite(tmp_path):
+    """summary.json: the suite's tests with a finished record made with their module as it is now, outcomes per
+    module, why a test did not pass, what is left, the multi-GPU tests apart; TESTS.md: the table beside it."""
+    out = tmp_path / "results" / f"{code_id()}_{release()}"
+    (tmp_path / "test_sample.py").write_text(SUITE.replace("os.kill(os.getpid(), signal.SIGKILL)", "pytest.skip('no')"))
+    assert tool_run(tmp_path, "-k", "test_a or test_killed").returncode == 0
+    stale = {**records(out / "tests")["test_a"], "nodeid": "test_sample.py::test_c", "module": "an earlier version"}
+    (out / "tests" / "test_sample.py_test_c.json").write_text(json.dumps(stale))
+    written = tool_run(tmp_path, "--summary", "--vllm", release())
+    assert written.returncode == 0, written.stdout + written.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert (doc["tests"], doc["recorded"], doc["outcomes"]) == (4, 2, {"passed": 1, "skipped": 1}), doc
+    assert doc["modules"] == {"test_sample.py": {"passed": 1, "skipped": 1, "left": 2}}
+    assert doc["not_passed"] == {"test_sample.py::test_killed": "Skipped: no"}
+    assert doc["left"] == ["test_sample.py::test_c", "test_sample.py::test_d"]  # test_c's record is of another module
+    assert doc["multi_gpu"] == ["test_sample.py::test_two_gpus"] and doc["commits"] == [COMMIT[:7]]
+    assert (out / "TESTS.md").read_text().count("| `test_sample.py::") == 3
+
+
 def test_a_test_whose_module_changed_runs_again(tmp_path):
     """Records are kept per test module: a change to the module (not to the code every test shares, which names
     the folder) runs its tests again, and only then."""

@@ -16,22 +16,26 @@ records; a test whose module or helper changed runs again.
     QWEN4_EXP_HCU_COMMIT=<commit> python3 tools/gpu_suite.py --budget-s 420    # on the GPU machine, again and again
     python3 tools/gpu_suite.py --list --vllm 0.33.0          # this tree's: what is left (collects, runs nothing)
     python3 tools/gpu_suite.py --table --vllm 0.33.0         # the records as a markdown table
+    python3 tools/gpu_suite.py --summary --vllm 0.33.0       # summary.json + TESTS.md in the records' folder
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from helpers.records import current, read_records  # noqa: E402
+from helpers.records import current, finished, read_records  # noqa: E402
 from helpers.run_record import code_id, commit, release  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite"
 MARKERS = "(gpu or vllm) and not cpu_only"
+MULTI_MARKERS = "(gpu or vllm or multi_gpu) and not cpu_only"  # a multi-GPU test needs neither of the others
 COLUMNS = ("test", "outcome", "graph mode", "figures", "device", "commit", "vLLM")
 PATHLESS = ("-k", "-m", "-p", "--rootdir", "--deselect")  # pytest options whose value is not a test path
 
@@ -40,13 +44,19 @@ def folder(results: Path, code: str, release: str) -> Path:
     return results / f"{code}_{release}"
 
 
-def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bool, extra: list[str]) -> list[str]:
-    markers = MARKERS if multi_gpu else f"({MARKERS}) and not multi_gpu"
+def pytest_command(folder: Path, budget_s: float, multi_gpu: bool, list_only: bool, extra: list[str],
+                   resume: bool = True) -> list[str]:
+    markers = MULTI_MARKERS if multi_gpu else f"({MARKERS}) and not multi_gpu"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", markers,
-           "--test-records", str(folder / "tests"), "--resume"]  # fmt: skip
+           "--test-records", str(folder / "tests"), *(["--resume"] if resume else [])]  # fmt: skip
     if list_only:
         return cmd + ["--collect-only", "-q", *extra]
     return cmd + ["-q", "-rfE", "--budget-s", f"{budget_s:g}", "--results-dir", str(folder), *extra]
+
+
+def node_ids(listing: str) -> list[str]:
+    """The tests of a `--collect-only -q` listing, in its order."""
+    return [line for line in listing.splitlines() if "::" in line and " " not in line.partition("::")[0]]
 
 
 def modules_left(listing: str) -> list[str]:
@@ -81,12 +91,38 @@ def table(folder: Path, root: Path = ROOT) -> str:
     return "\n".join("| " + " | ".join(cell(v) for v in row) + " |" for row in rows) + "\n"
 
 
+def summary(folder: Path, suite: list[str], multi_gpu: list[str], root: Path = ROOT) -> dict:
+    """What the records of `folder` say of the `suite` this tree collects (node ids): the tests with a finished
+    record made with their module as it is now, their outcomes overall and per module, the reasons of those that did
+    not pass, and the tests left; `multi_gpu`: the suite's multi-GPU tests, which need a machine of several GPUs."""
+    records = read_records(folder / "tests")
+    done = {nodeid: records[nodeid] for nodeid in suite
+            if nodeid in records and finished(records[nodeid]) and current(records[nodeid], root / nodeid.partition("::")[0])}  # fmt: skip
+    modules: dict[str, Counter] = {}
+    for nodeid in suite:
+        modules.setdefault(nodeid.partition("::")[0], Counter())[done[nodeid]["outcome"] if nodeid in done else "left"] += 1
+    code, _, release_ = folder.name.partition("_")
+    return {
+        "code": code, "vllm": release_, "tests": len(suite), "recorded": len(done),
+        "outcomes": dict(Counter(r["outcome"] for r in done.values()).most_common()),
+        "modules": {module: dict(counts) for module, counts in modules.items()},
+        "not_passed": {nodeid: r.get("reason") or r["outcome"] for nodeid, r in done.items() if r["outcome"] != "passed"},
+        "left": [nodeid for nodeid in suite if nodeid not in done],
+        "multi_gpu": multi_gpu,
+        "devices": sorted({r["device"] for r in done.values()}),
+        "commits": sorted({r["commit"][:7] for r in done.values()}),
+        "test_seconds": round(sum(r["seconds"] for r in done.values())),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # pytest has --co, --lf
     ap.add_argument("--budget-s", type=float, default=420, help="start no test after this many seconds (default 420)")
     ap.add_argument("--multi-gpu", action="store_true", help="the multi_gpu tests too")
     ap.add_argument("--list", action="store_true", help="say what is recorded and list what is left; run nothing")
     ap.add_argument("--table", action="store_true", help="print the records as a markdown table; run nothing")
+    ap.add_argument("--summary", action="store_true", help="write summary.json (what is recorded, what is left) and "
+                    "TESTS.md (the table) into the records' folder; run nothing")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--commit", default=None, help="the commit the records name (default: QWEN4_EXP_HCU_COMMIT, "
                     "else git's HEAD)")
@@ -96,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the installed one)")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
-    if args.vllm and not (args.list or args.table):
+    reads = args.list or args.table or args.summary
+    if args.vllm and not reads:
         ap.error("--vllm names the records to read: a run records the installed release")
     sha = args.commit or commit()
     if sha == "unknown":
         ap.error("no commit: this tree has no git; set QWEN4_EXP_HCU_COMMIT to the caller's `git rev-parse HEAD`")
-    if args.code and not (args.list or args.table):
+    if args.code and not reads:
         ap.error("--code names the records to read: a run records this tree's code")
     out = folder(args.results, args.code or code_id(), args.vllm or release())
     if not named_paths(extra):
@@ -110,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(out), end="")
         return 0
     env = {**os.environ, "QWEN4_EXP_HCU_COMMIT": sha}
+    if args.summary:
+        return write_summary(out, extra, env)
     listing = pytest_command(out, args.budget_s, args.multi_gpu, True, extra)
     print(f"{out}: {' '.join(listing[1:])}", flush=True)
     if args.list:
@@ -134,6 +173,28 @@ def main(argv: list[str] | None = None) -> int:
         code = code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
         status = status if code in (0, 5) else code  # 5: nothing collected (every test of the module recorded)
     return status
+
+
+def write_summary(out: Path, extra: list[str], env: dict) -> int:
+    """summary.json and TESTS.md for the records of `out`, against the GPU tests this tree collects."""
+    suites = []
+    for multi_gpu in (False, True):
+        cmd = pytest_command(out, 0, multi_gpu, True, extra, resume=False)
+        listing = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if listing.returncode != 0:
+            print(listing.stdout + listing.stderr, flush=True)
+            return listing.returncode
+        suites.append(node_ids(listing.stdout))
+    options = [a for a in extra if a not in named_paths(extra)]
+    rootdir = Path(options[options.index("--rootdir") + 1]) if "--rootdir" in options else ROOT
+    doc = summary(out, suites[0], [n for n in suites[1] if n not in set(suites[0])], rootdir)
+    doc["command"] = f"python3 tools/gpu_suite.py --summary --vllm {doc['vllm']}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "TESTS.md").write_text(f"# GPU suite records: code {doc['code']}, vLLM {doc['vllm']}\n\n"
+                                  f"Written by `{doc['command']}`.\n\n" + table(out, rootdir))
+    print(f"{out}: {doc['recorded']} of {doc['tests']} tests recorded ({doc['outcomes']}), {len(doc['left'])} left")
+    return 0
 
 
 if __name__ == "__main__":
