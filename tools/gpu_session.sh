@@ -28,15 +28,20 @@
 #                                  (the folder, carried in again: untar it here, call again until "0 left"); the log ->
 #                                  $OUT/gpu_suite.log; MULTI=1: the multi_gpu tests too; SUITE_ARGS: pytest's arguments
 #                                  (test files first: those files only, in that order)
-#   suite-start                    the same suite in the background, from a copy of the tree at /tmp/suite-tree (its own
-#                                  process session: it runs on between calls while the machine is held, no test cut at a
-#                                  call's end, no engine started twice); FIRST: test files run before the rest; none
-#                                  started after BUDGET s (default 1300). Then waits as suite-wait does. One pytest at
-#                                  a time: engines started side by side fail vLLM's free-memory check at start (it asks
-#                                  gpu_memory_utilization of the whole card), and their compiles share the 16 cores
-#   suite-wait                     alone in a call, carrying nothing: waits for the background suite until WAIT s
-#                                  (default 560) after the call began, then its records -> $OUT/gpu_suite.tar and its
-#                                  logs -> $OUT/gpu_suite*.log (no set-up: the running suite's installs stay as they are)
+#   start                          the steps of BG (e.g. BG="write serve") in the background, from a copy of the tree at
+#                                  /tmp/bg/tree, their $OUT at /tmp/bg/out (their own process session: they run on between
+#                                  calls while the machine is held, nothing cut at a call's end, no engine started twice);
+#                                  alone in its call. Then waits as `wait` does. For runs longer than a call: bench_serve's
+#                                  rounds (SERVE_ARGS="--rounds 3"), a soak (LOAD=soak LOAD_ARGS="--minutes 20")
+#   wait                           alone in a call, carrying nothing: waits for the background steps until WAIT s (default
+#                                  560) after the call began; then the log -> $OUT/bg.log, their $OUT so far ->
+#                                  $OUT/bg_out.tar, the suite's records -> $OUT/gpu_suite.tar (no set-up: the running
+#                                  steps' installs stay as they are)
+#   suite-start                    `start` of the whole suite (`suite-all`: FIRST, test files run before the rest, then the
+#                                  rest; none started after BUDGET s, default 1300). One pytest at a time: engines started
+#                                  side by side fail vLLM's free-memory check at start (it asks gpu_memory_utilization of
+#                                  the whole card), and their compiles share the 16 cores
+#   suite-wait                     `wait`
 #   drop                           delete the release checkpoints of DROP (e.g. "int8 fp8": the disk holds ~22 GB more,
 #                                  the BF16 one upstream's vllm_host_bf16 / vllm_gpu_bf16 read needs 26 GB)
 #   lookup-tp1                     bench_lookup on the release's whole 52 GB TP1 table, one host copy (82 s; the
@@ -59,22 +64,29 @@
 #   $(git rev-parse HEAD) from here; `test` also writes $OUT/results/suite_vllm-<release>_<time>.json.
 # GPU_VLLM: the engine's folder (default .gpu-vllm, vLLM 0.33; .gpu-vllm-034 from
 #   bash tools/gpu_vllm_wheels.sh .gpu-vllm-034 0.34.0 for vLLM 0.34; carry it instead).
-suite_ended() {
-  [ -e /tmp/suite-tree/done ]
-}
 CALL_T0=$(date +%s)
-wait_suite() {  # until the background suite ends or WAIT s after the call began (its set-up counted: the call must
-  # return within its limit to bring the records back); what it has recorded so far comes back either way
-  while ! suite_ended && [ $(( $(date +%s) - CALL_T0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
-  suite_ended && echo "background suite ended" || echo "background suite still running"
-  for log in /tmp/suite-tree/gpu_suite*.log; do
-    echo "--- $log"; grep -a "tests recorded\|passed\|failed\|^FAILED\|^ERROR" "$log" | cut -c1-300 | tail -"${TAIL:-12}"
-    cp "$log" "$OUT/"
-  done
-  (cd /tmp/suite-tree && tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite)
+BG_DIR=/tmp/bg
+wait_bg() {  # until the background steps end or WAIT s after the call began (its set-up counted: the call must
+  # return within its limit to bring the files back); what they have written so far comes back either way
+  while [ ! -e $BG_DIR/done ] && [ $(( $(date +%s) - CALL_T0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
+  [ -e $BG_DIR/done ] && echo "background steps ended" || echo "background steps still running"
+  echo "--- $BG_DIR/log"; grep -av "^INFO\|^WARNING\|^\[\|^(" $BG_DIR/log | cut -c1-300 | tail -"${TAIL:-16}"
+  cp $BG_DIR/log "$OUT/bg.log"
+  [ -n "$(ls -A $BG_DIR/out)" ] && tar -cf "$OUT/bg_out.tar" -C $BG_DIR out  # one file: $OUT returns 8 at most
+  grep -qw "suite\|suite-all" $BG_DIR/steps \
+    && (cd $BG_DIR/tree && tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite)
 }
-if [ "$1" = suite-wait ]; then wait_suite; exit 0; fi
-if [[ " $* " == *" "@(write|serve|load|test|suite|suite-start|memory|hc)" "* ]]; then  # the steps that run vLLM's or the package's installed code
+case $1 in
+  wait|suite-wait) wait_bg; exit 0 ;;
+  start|suite-start)  # the background's own call of this script sets itself up in its copy of the tree
+    [ "$1" = suite-start ] && BG=suite-all
+    [ -n "$BG" ] || { echo "start: BG names no steps" >&2; exit 2; }
+    rm -rf $BG_DIR && mkdir -p $BG_DIR/tree $BG_DIR/out && cp -a . $BG_DIR/tree/ && echo "$BG" > $BG_DIR/steps
+    (cd $BG_DIR/tree && BG="$BG" setsid nohup bash -c 'OUT='$BG_DIR'/out bash tools/gpu_session.sh $BG; touch '$BG_DIR'/done' \
+      > $BG_DIR/log 2>&1 < /dev/null &)
+    echo "=== $BG in the background"; wait_bg; exit 0 ;;
+esac
+if [[ " $* " == *" "@(write|serve|load|test|suite|suite-all|memory|hc)" "* ]]; then  # the steps that run vLLM's or the package's installed code
   source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
 else  # file-tier, lookup-tp1, drop, keep-cache: the image's torch and the tree alone, nothing to carry
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -128,14 +140,10 @@ PY
   suite) timeout "${LIM:-540}" python3 tools/gpu_suite.py --budget-s "${BUDGET:-420}" ${MULTI:+--multi-gpu} $SUITE_ARGS 2>&1 \
            | tee "$OUT/gpu_suite.log" | grep -av "^INFO\|^WARNING\|^\[" | cut -c1-400 | tail -"${TAIL:-40}"
          tar -cf "$OUT/gpu_suite.tar" --exclude='*.tmp' benchmarks/results/gpu_suite ;;  # one file: $OUT returns 8 at most
-  suite-start) rm -rf /tmp/suite-tree && mkdir -p /tmp/suite-tree && cp -a . /tmp/suite-tree/
-               (cd /tmp/suite-tree && setsid nohup bash -c '
-                 end=$(( $(date +%s) + ${BUDGET:-1300} ))
-                 [ -n "$FIRST" ] && python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" ${MULTI:+--multi-gpu} -- $FIRST
-                 left=$(( end - $(date +%s) ))
-                 [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} -- ${SUITE_ARGS:-tests}
-                 touch done' > /tmp/suite-tree/gpu_suite.log 2>&1 < /dev/null &)
-               wait_suite ;;
+  suite-all) end=$(( $(date +%s) + ${BUDGET:-1300} ))
+             [ -n "$FIRST" ] && python3 tools/gpu_suite.py --budget-s "${BUDGET:-1300}" ${MULTI:+--multi-gpu} -- $FIRST
+             left=$(( end - $(date +%s) ))
+             [ "$left" -gt 0 ] && python3 tools/gpu_suite.py --budget-s "$left" ${MULTI:+--multi-gpu} -- ${SUITE_ARGS:-tests} ;;
   drop) for kind in $DROP; do rm -rf "$W/bench-$kind"; done; df -h /tmp | tail -1 ;;
   lookup-tp1) python3 -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 52 --one-host-copy \
                 ${HUGE:+--huge-pages} --formats-table-gb 0 --out "$OUT/lookup_release_tp1${HUGE:+_huge}" 2>&1 \
