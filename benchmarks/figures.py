@@ -521,8 +521,8 @@ def suite_summary(docs: list[dict]) -> Cells:
 
 # The rows. Release geometry: the release's per-layer shapes, 48 layers, QSA budget 2048, the TP4 rank's 13 GB INT8 table.
 S30 = "serve_release_breakable_session30/"
-H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # the GPU suite's records of an earlier code on vLLM 0.34, an H200's
-BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and of this code, an H100's
+H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # GPU suite records on vLLM 0.34: an H200's, with the graph modes' figures
+BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and an H100's, of the code the suite row counts
 LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
 FDO22 = "serve_release_files_fdo_session22/"
 S034 = "serve_release_034_disk_tiers/bench_serve.json"
