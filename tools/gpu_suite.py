@@ -61,12 +61,16 @@ def node_ids(listing: str) -> list[str]:
 
 def modules_left(listing: str) -> list[str]:
     """The test modules of a `--collect-only -q` listing, in its order."""
-    paths = [line.partition("::")[0] for line in listing.splitlines() if "::" in line]
-    return list(dict.fromkeys(p for p in paths if p.endswith(".py") and " " not in p))
+    return list(dict.fromkeys(p for n in node_ids(listing) if (p := n.partition("::")[0]).endswith(".py")))
 
 
 def named_paths(args: list[str]) -> list[str]:
     return [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in PATHLESS)]
+
+
+def node_root(extra: list[str]) -> Path:
+    """Where the node ids' paths start: pytest's --rootdir among `extra`, else the checkout."""
+    return Path(extra[extra.index("--rootdir") + 1]) if "--rootdir" in extra else ROOT
 
 
 def cell(value) -> str:
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return left.returncode
     print("\n".join(line for line in left.stdout.splitlines() if "tests recorded" in line), flush=True)
     options = [a for a in extra if a not in named_paths(extra)]
-    rootdir = Path(options[options.index("--rootdir") + 1]) if "--rootdir" in options else ROOT  # node ids' base
+    rootdir = node_root(options)
     start, status = time.monotonic(), 0
     for module in modules_left(left.stdout):
         budget = args.budget_s - (time.monotonic() - start)
@@ -185,8 +189,7 @@ def write_summary(out: Path, extra: list[str], env: dict) -> int:
             print(listing.stdout + listing.stderr, flush=True)
             return listing.returncode
         suites.append(node_ids(listing.stdout))
-    options = [a for a in extra if a not in named_paths(extra)]
-    rootdir = Path(options[options.index("--rootdir") + 1]) if "--rootdir" in options else ROOT
+    rootdir = node_root(extra)
     doc = summary(out, suites[0], [n for n in suites[1] if n not in set(suites[0])], rootdir)
     doc["command"] = f"python3 tools/gpu_suite.py --summary --vllm {doc['vllm']}"
     out.mkdir(parents=True, exist_ok=True)
