@@ -70,7 +70,8 @@ wait_bg() {  # until the background steps end or WAIT s after the call began (it
   # return within its limit to bring the files back); what they have written so far comes back either way
   while [ ! -e $BG_DIR/done ] && [ $(( $(date +%s) - CALL_T0 )) -lt "${WAIT:-560}" ]; do sleep 5; done
   [ -e $BG_DIR/done ] && echo "background steps ended" || echo "background steps still running"
-  echo "--- $BG_DIR/log"; grep -av "^INFO\|^WARNING\|^\[\|^(" $BG_DIR/log | cut -c1-300 | tail -"${TAIL:-16}"
+  echo "--- $BG_DIR/log"  # without engine logs and pytest's warnings summaries
+  grep -av "^INFO\|^WARNING\|^\[\|^(\|^ \|^$\|warnings summary\|^-- Docs" $BG_DIR/log | cut -c1-300 | tail -"${TAIL:-16}"
   cp $BG_DIR/log "$OUT/bg.log"
   [ -n "$(ls -A $BG_DIR/out)" ] && tar -cf "$OUT/bg_out.tar" -C $BG_DIR out  # one file: $OUT returns 8 at most
   grep -qw "suite\|suite-all" $BG_DIR/steps \
