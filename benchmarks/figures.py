@@ -507,10 +507,7 @@ def suite_summary(docs: list[dict]) -> Cells:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in doc["outcomes"].items())
     text = f"code {doc['code']} on vLLM {doc['vllm']}: **{doc['recorded']} of {doc['tests']} tests recorded: {counts}**"
     text += "".join(f"; `{t.removeprefix('tests/')}` {why}" for t, why in doc["not_passed"].items())
-    left: dict[str, int] = {}
-    for nodeid in doc["left"]:
-        module = nodeid.partition("::")[0].removeprefix("tests/")
-        left[module] = left.get(module, 0) + 1
+    left = {module.removeprefix("tests/"): n["left"] for module, n in doc["modules"].items() if n.get("left")}
     if left:
         text += f"; {len(doc['left'])} left: " + ", ".join(f"`{m}` {n}" for m, n in left.items())
     if doc["multi_gpu"]:
