@@ -782,6 +782,8 @@ def _recorded(name: str, doc: dict) -> list[str]:
 
 def device(doc: dict) -> str:
     machine = doc.get("machine", {})
+    if doc.get("machines"):  # a suite's single-GPU machines, with the tests each ran
+        return ", ".join(f"1× {gpu.removeprefix('NVIDIA ')}: {n} tests" for gpu, n in doc["machines"].items())
     if doc.get("devices"):
         return f"{len(doc['devices'])}× {doc['devices'][0].removeprefix('NVIDIA ')}"
     if (gpu := machine.get("gpu") or machine.get("device") or doc.get("device")) and gpu != "cpu":

@@ -113,7 +113,7 @@ def summary(folder: Path, suite: list[str], multi_gpu: list[str], root: Path = R
         "not_passed": {nodeid: r.get("reason") or r["outcome"] for nodeid, r in done.items() if r["outcome"] != "passed"},
         "left": [nodeid for nodeid in suite if nodeid not in done],
         "multi_gpu": multi_gpu,
-        "devices": sorted({r["device"] for r in done.values()}),
+        "machines": dict(sorted(Counter(r["device"] for r in done.values()).items())),  # one GPU each: tests run where lent
         "commits": sorted({r["commit"][:7] for r in done.values()}),
         "test_seconds": round(sum(r["seconds"] for r in done.values())),
     }
