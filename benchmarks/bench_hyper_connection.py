@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from benchmarks.common import commit
 from qwen4_exp_hcu.env import PDL_ENV
 from qwen4_exp_hcu.kernels import down_silu as ds
 from qwen4_exp_hcu.kernels import hyper_connection as hc
@@ -280,6 +281,7 @@ def main() -> None:
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__},
         "command": f"python -m benchmarks.bench_hyper_connection --tokens {' '.join(map(str, args.tokens))} "
                    f"--weights {args.weights}" + (" --sweep" if args.sweep else ""),
+        "commit": commit(),
         "results": results,
     }  # fmt: skip
     (out / "bench_hyper_connection.json").write_text(json.dumps(report, indent=2))  # before the sweep: a cut-off run keeps it

@@ -17,6 +17,8 @@ import functools
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from benchmarks.common import bench_config, save, token_streams
+from benchmarks.common import bench_config, commit, save, token_streams
 from qwen4_exp_hcu.kernels.gather_dequant import INT8, _to_bf16_rtne
 from qwen4_exp_hcu.kernels.gather_dequant import gather_dequant as gather_rows
 from qwen4_exp_hcu.kernels.ngram_hash import ngram_hash
@@ -359,6 +361,8 @@ def main() -> None:
         "library_host_tuning": PLETable.HOST_TUNING,
         "cache_rows": args.cache_rows,
         "results": results,
+        "command": shlex.join(["python", "-m", "benchmarks.bench_lookup", *sys.argv[1:]]),
+        "commit": commit(),
     }
     save(args.out, "bench_lookup", report, plot)
     print(json.dumps({src: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for src, r in results.items()}, indent=1))

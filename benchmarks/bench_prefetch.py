@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 
-from benchmarks.common import bench_config, save
+from benchmarks.common import bench_config, commit, save
 from qwen4_exp_hcu.ple.batch import PLEBatch, PLEState
 from qwen4_exp_hcu.ple.layer import PLELayer
 from qwen4_exp_hcu.ple.prefetch import PrefetchWorkspace
@@ -148,6 +150,8 @@ def main() -> None:
                    "heads": stack.host.spec.num_heads, "dim": stack.host.spec.head_dim, "repeats": args.repeats,
                    "host_tuning": table.HOST_TUNING},
         "results": results,
+        "command": shlex.join(["python", "-m", "benchmarks.bench_prefetch", *sys.argv[1:]]),
+        "commit": commit(),
     }  # fmt: skip
     save(args.out, "bench_prefetch", report, plot)
 

@@ -363,16 +363,17 @@ def host_callback(docs: list[dict]) -> Cells:
 
 
 def prefetch(variant: str, docs: list[dict]) -> Cells:
-    """Step time with the host table, `variant`, over the GPU-resident table's, per token count."""
-    res, repeats = docs[0]["results"], docs[0]["params"]["repeats"]
-    tokens = sorted(res, key=int)
+    """Step time with the host table, `variant`, over the GPU-resident table's, per token count: one file a round,
+    each round's step times the median of its interleaved repeats."""
+    tokens = sorted(docs[0]["results"], key=int)
 
     def ratio(mode):
-        return " / ".join(num(res[t][variant][mode] / res[t]["GPU-resident"][mode], 3) for t in tokens)
+        return joined({t: [d["results"][t][variant][mode] / d["results"][t]["GPU-resident"][mode] for d in docs] for t in tokens})
 
+    repeats = docs[0]["params"]["repeats"]
+    lookup = joined({t: [d["results"][t]["lookup_host_ms"] for d in docs] for t in tokens}, 2)
     return Cells(f"{labels(tokens)} tokens: **{ratio('graph_ms')}** in CUDA-graph replay, {ratio('eager_ms')} eager; "
-                 f"1 round, median of {repeats} repeats",
-                 "—", "the host lookup alone: " + " / ".join(num(res[t]["lookup_host_ms"], 2) for t in tokens) + " ms")
+                 f"{rounds(len(docs))}, each the median of {repeats} repeats", "—", f"the host lookup alone: {lookup} ms")
 
 
 def etp(case: str, docs: list[dict]) -> Cells:
@@ -431,17 +432,20 @@ def plan_hot_rows(docs: list[dict]) -> Cells:
 
 
 def hc_ratio(field: str, docs: list[dict]) -> Cells:
-    res = docs[0]["results"]
-    tokens = [t for t in res if field in res[t]]
-    return Cells(f"{labels(tokens)} tokens: **{' / '.join(num(res[t][field], 2) for t in tokens)}×**; 1 round",
-                 "—", f"largest output difference {max(max(res[t]['max_abs_diff'].values()) for t in tokens)}")
+    """A ratio of bench_hyper_connection per token count, one file a round."""
+    tokens = [t for t in docs[0]["results"] if field in docs[0]["results"][t]]
+    by_tokens = {t: [d["results"][t][field] for d in docs] for t in tokens}
+    largest = max(max(d["results"][t]["max_abs_diff"].values()) for d in docs for t in tokens)
+    return Cells(f"{labels(tokens)} tokens: **{joined(by_tokens, 2)}×**; {rounds(len(docs))}", "—",
+                 f"largest output difference {largest}")
 
 
 def down_silu(docs: list[dict]) -> Cells:
     block = docs[0]["down_silu_in_block"]
-    ours = " / ".join(num(b["cublas_silu"] / b["default"], 2) for b in block.values())
-    cute = " / ".join(num(b["default_vs_vllm_cute"], 2) for b in block.values())
-    return Cells(f"{labels(block)} tokens: **{ours}×** the GEMM library + silu kernel; 1 round", "—",
+    ours = joined({t: [d["down_silu_in_block"][t]["cublas_silu"] / d["down_silu_in_block"][t]["default"] for d in docs]
+                   for t in block}, 2)
+    cute = joined({t: [d["down_silu_in_block"][t]["default_vs_vllm_cute"] for d in docs] for t in block}, 2)
+    return Cells(f"{labels(block)} tokens: **{ours}×** the GEMM library + silu kernel; {rounds(len(docs))}", "—",
                  f"vLLM's CuTe DSL kernel: ours at {cute}× its speed")
 
 

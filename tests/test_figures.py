@@ -62,3 +62,16 @@ def test_one_round_says_so_and_gpu_active_is_the_reference_over_ours():
     cells = figures.serve_decode("host_int8", "gpu_int8", [{"results": results}])
     assert cells.figure == "b = 1: **1.250**; 1 round"
     assert cells.timing == "GPU-active 1.500"
+
+
+def test_kernel_benchmarks_read_one_file_a_round():
+    """bench_prefetch and bench_hyper_connection rounds (one file each): the median ratio and its min–max."""
+    step = lambda host, ref: {"host + prefetch": {"graph_ms": host, "eager_ms": host},  # noqa: E731
+                              "GPU-resident": {"graph_ms": ref, "eager_ms": ref}, "lookup_host_ms": 0.5}
+    docs = [{"params": {"repeats": 3}, "results": {"64": step(host, 1.0)}} for host in (1.02, 0.98, 1.10)]
+    cells = figures.prefetch("host + prefetch", docs)
+    assert "**1.020 (0.980–1.100)** in CUDA-graph replay" in cells.figure and "3 rounds" in cells.figure
+    hc = [{"results": {"1": {"ratio_pdl": r, "max_abs_diff": {"kernels": d}}}} for r, d in ((1.1, 0.5), (1.3, 0.25), (1.2, 0))]
+    cells = figures.hc_ratio("ratio_pdl", hc)
+    assert cells.figure == "1 tokens: **1.20 (1.10–1.30)×**; 3 rounds: median (min–max)"
+    assert cells.limit == "largest output difference 0.5"

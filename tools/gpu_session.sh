@@ -4,6 +4,9 @@
 # file-tier, lookup-tp1, drop and keep-cache alone need nothing carried: the image's torch runs them), then:
 #   STEPS...                       what runs, in order, in one call:
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
+#   micro                          ROUNDS (default 3) rounds, in turn, of bench_lookup, bench_prefetch (--repeats 3) and
+#                                  bench_hyper_connection --sweep: one file a round for docs/PERFORMANCE.md's medians
+#                                  -> $OUT/micro/roundN (FIRST_ROUND: a later call's first N; ~minutes a round: `start`)
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
 #                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
 #                                  and LAYERS=12 for write and serve: 48 layers' other weights take it past the disk's 64 GB;
@@ -87,7 +90,7 @@ case $1 in
       > $BG_DIR/log 2>&1 < /dev/null &)
     echo "=== $BG in the background"; wait_bg; exit 0 ;;
 esac
-if [[ " $* " == *" "@(write|serve|load|test|suite|suite-all|memory|hc)" "* ]]; then  # the steps that run vLLM's or the package's installed code
+if [[ " $* " == *" "@(write|serve|load|test|suite|suite-all|memory|hc|micro)" "* ]]; then  # the steps that run vLLM's or the package's installed code
   source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
 else  # file-tier, lookup-tp1, drop, keep-cache: the image's torch and the tree alone, nothing to carry
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -107,6 +110,12 @@ for step in "$@"; do
   hc) python3 -m benchmarks.bench_hyper_connection --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
       cp "$OUT/hyper_connection/bench_hyper_connection.json" /tmp/last_hc_sweep.json
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
+  micro) for i in $(seq "${FIRST_ROUND:-1}" $(( ${FIRST_ROUND:-1} + ${ROUNDS:-3} - 1 ))); do
+           r="$OUT/micro/round$i"; echo "--- round $i"
+           python3 -m benchmarks.bench_lookup --out "$r" 2>&1 | tail -6
+           python3 -m benchmarks.bench_prefetch --repeats 3 --out "$r" 2>&1 | tail -3
+           python3 -m benchmarks.bench_hyper_connection --sweep --out "$r/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -3
+         done ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
 from pathlib import Path
