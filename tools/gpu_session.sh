@@ -6,7 +6,8 @@
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
 #   micro                          ROUNDS (default 3) rounds, in turn, of bench_lookup, bench_prefetch (--repeats 3) and
 #                                  bench_hyper_connection --sweep: one file a round for docs/PERFORMANCE.md's medians
-#                                  -> $OUT/micro/roundN (FIRST_ROUND: a later call's first N; ~minutes a round: `start`)
+#                                  -> $OUT/micro/roundN (FIRST_ROUND: a later call's first N; ~minutes a round: `start`;
+#                                  MICRO: which of "lookup prefetch hc", default all three)
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
 #                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
 #                                  and LAYERS=12 for write and serve: 48 layers' other weights take it past the disk's 64 GB;
@@ -112,9 +113,12 @@ for step in "$@"; do
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
   micro) for i in $(seq "${FIRST_ROUND:-1}" $(( ${FIRST_ROUND:-1} + ${ROUNDS:-3} - 1 ))); do
            r="$OUT/micro/round$i"; echo "--- round $i"
-           python3 -m benchmarks.bench_lookup --out "$r" 2>&1 | tail -6
-           python3 -m benchmarks.bench_prefetch --repeats 3 --out "$r" 2>&1 | tail -3
-           python3 -m benchmarks.bench_hyper_connection --sweep --out "$r/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -3
+           m=" ${MICRO:-lookup prefetch hc} "
+           [[ $m == *" lookup "* ]] && python3 -m benchmarks.bench_lookup --out "$r" 2>&1 | tail -6
+           [[ $m == *" prefetch "* ]] && python3 -m benchmarks.bench_prefetch --repeats 3 --out "$r" 2>&1 | tail -3
+           [[ $m == *" hc "* ]] && python3 -m benchmarks.bench_hyper_connection --sweep --out "$r/hyper_connection" 2>&1 \
+             | grep -v "^[0-9]* {" | tail -3
+           true
          done ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
