@@ -268,10 +268,11 @@ def hash_share(docs: list[dict]) -> Cells:
 def formats(docs: list[dict]) -> Cells:
     table = docs[0]["formats"]
     rows = [f"{name.upper()} {num(f['host_bytes_per_row'], 0)} B/row, "
-            f"{' / '.join(num(f['GB/s'][s], 1) for s in STREAMS)} GB/s" for name, f in table["formats"].items()]
-    exact = all(all(f["exact"]) for f in table["formats"].values())
+            f"{joined({s: [d['formats']['formats'][name]['GB/s'][s] for d in docs] for s in STREAMS}, 1)} GB/s"
+            for name, f in table["formats"].items()]
+    exact = all(all(f["exact"]) for d in docs for f in d["formats"]["formats"].values())
     return Cells(f"{'; '.join(rows)} ({' / '.join(STREAMS.values())}; {num(table['rows'] / 1e6, 1)} M rows of {table['dim']}"
-                 f" values); {'every format bit-exact' if exact else 'NOT bit-exact'}; 1 round")
+                 f" values); {'every format bit-exact' if exact else 'NOT bit-exact'}; {rounds(len(docs))}")
 
 
 def asking(docs: list[dict], phase: str) -> list[tuple[str, dict[str, dict]]]:
@@ -524,6 +525,12 @@ def suite_summary(docs: list[dict]) -> Cells:
 S30 = "serve_release_breakable_session30/"
 H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # GPU suite records on vLLM 0.34: an H200's, with the graph modes' figures
 BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and an H100's, of the code the suite row counts
+MICRO_H100 = ("micro_h100/round1/", "micro_h100/round2/")  # `gpu_session.sh micro` rounds of one H100 machine
+MICRO_CALL = 'GPU_VLLM=.gpu-vllm-034 MICRO="lookup prefetch" bash tools/gpu_session.sh micro (one file a round)'
+
+
+def micro(name: str) -> tuple[str, ...]:
+    return tuple(r + name for r in MICRO_H100)
 LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
 FDO22 = "serve_release_files_fdo_session22/"
 S034 = "serve_release_034_disk_tiers/bench_serve.json"
@@ -646,19 +653,19 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("the same 6 min soak back to back: which part grows after the warm-up", tuple(SOAK_CONTROL), load_soak_control,
             "flat after the warm-up"),
     ]),
-    ("PLE lookup (1×H200, 16 384 tokens × 16 heads, sorted ids; GB/s of useful bytes, row + scale a token and head)", [
-        Row("12 GB INT8 table of 128-value rows, the library's path", ("bench_lookup.json",),
+    ("PLE lookup (one GPU, the one each file names; 16 384 tokens × 16 heads, sorted ids; GB/s of useful bytes, row + scale a token and head)", [
+        Row("12 GB INT8 table of 128-value rows, the library's path", micro("bench_lookup.json"),
             partial(lookup, DEFAULT), "target ≥ 10 GB/s uniform, ≥ 30 Zipf and text"),
-        Row("the same with the GPU hot-row cache (8 M rows, calibrated)", ("bench_lookup.json",),
+        Row("the same with the GPU hot-row cache (8 M rows, calibrated)", micro("bench_lookup.json"),
             partial(lookup, "fused, sorted + GPU hot-row cache (ours)"), "target ≥ 30 GB/s text"),
-        Row("the library's path / vLLM-style (row bytes copied, then dequantized)", ("bench_lookup.json",),
+        Row("the library's path / vLLM-style (row bytes copied, then dequantized)", micro("bench_lookup.json"),
             partial(lookup_ratio, DEFAULT, "vLLM-style (row copy, then dequant)"), "≥ 1.3× (target)"),
-        Row("the n-gram hash kernel's share of the lookup", ("bench_lookup.json",), hash_share, "≤ 5 % (target)"),
-        Row("row scales kept on the GPU / the library's path", ("bench_lookup.json",),
+        Row("the n-gram hash kernel's share of the lookup", micro("bench_lookup.json"), hash_share, "≤ 5 % (target)"),
+        Row("row scales kept on the GPU / the library's path", micro("bench_lookup.json"),
             partial(lookup_ratio, "fused, sorted, scales on the GPU", DEFAULT), LIBRARY),
-        Row("host rows on 2 MiB pages (`use_thp`) / the library's path", ("bench_lookup.json",),
+        Row("host rows on 2 MiB pages (`use_thp`) / the library's path", micro("bench_lookup.json"),
             partial(lookup_ratio, "fused, sorted, thp 2 MiB pages", DEFAULT), LIBRARY),
-        Row("each scale stored beside its row (one read a row) / the library's path", ("bench_lookup.json",),
+        Row("each scale stored beside its row (one read a row) / the library's path", micro("bench_lookup.json"),
             partial(lookup_ratio, "fused, scale beside row", DEFAULT), LIBRARY),
         Row("the TP4 rank's 13 GB table, 160-value rows", ("lookup_release_tp4/bench_lookup.json",),
             partial(lookup, DEFAULT), "target ≥ 10 GB/s uniform"),
@@ -668,13 +675,13 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("TP1's 52 GB table: the CPU's gather + one copy (host sync, no CUDA graph) / the library's path",
             ("lookup_release_tp1_session29/bench_lookup.json", "lookup_release_tp1_session30/bench_lookup.json"),
             partial(lookup_ratio, "host gather + H2D", DEFAULT), "not a serving path"),
-        Row("table formats: host bytes a row and lookup GB/s, 4 GB tables", ("bench_lookup.json",), formats,
+        Row("table formats: host bytes a row and lookup GB/s, 4 GB tables", micro("bench_lookup.json"), formats,
             "INT8's 130 B a row against BF16's 256"),
     ]),
-    ("Prefetch (1×H200, 40 stand-in decoder layers, PLE at two, 12 GB host table; step time / the GPU-resident table's)", [
-        Row("host table, lookup prefetched on a side stream", ("bench_prefetch.json",), partial(prefetch, "host + prefetch"),
+    ("Prefetch (1×H100, 40 stand-in decoder layers, PLE at two, 12 GB host table; step time / the GPU-resident table's)", [
+        Row("host table, lookup prefetched on a side stream", micro("bench_prefetch.json"), partial(prefetch, "host + prefetch"),
             "within 3 % of the GPU-resident table (target)"),
-        Row("host table, lookup in place (`QWEN4_EXP_HCU_PREFETCH=0`)", ("bench_prefetch.json",),
+        Row("host table, lookup in place (`QWEN4_EXP_HCU_PREFETCH=0`)", micro("bench_prefetch.json"),
             partial(prefetch, "host serial"), "within 3 % of the GPU-resident table (target)"),
     ]),
     ("ETP over NCCL (H200s with NVLink; 16 heads × 128 values, 3.2 M-row pinned-host table; the prefetch replayed from a "
@@ -732,11 +739,10 @@ SOAK_CALL = ("{env}python -m benchmarks.serve_load --mode soak --variant host_in
              "--input-len 64 --output-len 16 --minutes 6 --sample-s 20 --server-args '--max-model-len 512' --out DIR")
 MEMORY = "python -m benchmarks.bench_serve --memory-only --variants host_int8 gpu_int8 --graph-mode "
 COMMANDS = {
-    "bench_lookup.json": "python -m benchmarks.bench_lookup",
+    **{name: MICRO_CALL for name in micro("bench_lookup.json") + micro("bench_prefetch.json")},
     "lookup_release_tp4/bench_lookup.json": "python -m benchmarks.bench_lookup --dim 160 --heads-per-ngram 8 --table-gb 13 "
                                             "--formats-table-gb 4 --out benchmarks/results/lookup_release_tp4",
     "lookup_release_tp1_session29/bench_lookup.json": "bash tools/gpu_session.sh lookup-tp1",
-    "bench_prefetch.json": "python -m benchmarks.bench_prefetch --repeats 3",
     "plan_memory.json": "python -m benchmarks.plan_memory --hot-rows-gib 1",
     "etp_2gpu.json": "python -m benchmarks.bench_etp --gpus 2",
     "etp_4gpu.json": "python -m benchmarks.bench_etp --gpus 4",
