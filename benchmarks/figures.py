@@ -531,6 +531,8 @@ MICRO_CALL = 'GPU_VLLM=.gpu-vllm-034 MICRO="lookup prefetch" bash tools/gpu_sess
 
 def micro(name: str) -> tuple[str, ...]:
     return tuple(r + name for r in MICRO_H100)
+
+
 LONG_TESTS = ("qsa_beyond_the_budget_matches_transformers", "dense_attention_beyond_the_budget_is_caught")
 FDO22 = "serve_release_files_fdo_session22/"
 S034 = "serve_release_034_disk_tiers/bench_serve.json"
