@@ -525,6 +525,7 @@ def suite_summary(docs: list[dict]) -> Cells:
 S30 = "serve_release_breakable_session30/"
 H200_034 = "gpu_suite/8400eb09f536_0.34.0/"  # GPU suite records on vLLM 0.34: an H200's, with the graph modes' figures
 BACKGROUND_034 = "gpu_suite/eaaf58b88376_0.34.0/"  # and an H100's, of the code the suite row counts
+SUITE_033 = "gpu_suite/eaaf58b88376_0.33.0/"  # the same code's records on vLLM 0.33
 MICRO_H100 = ("micro_h100/round1/", "micro_h100/round2/")  # `gpu_session.sh micro` rounds of one H100 machine
 MICRO_CALL = 'GPU_VLLM=.gpu-vllm-034 MICRO="lookup prefetch" bash tools/gpu_session.sh micro (one file a round)'
 
@@ -719,6 +720,7 @@ FAMILIES: list[tuple[str, list[Row]]] = [
             "`TINY` 0.012 / 0.12"),
         Row("the GPU suite on this code, vLLM 0.34: one record a test", (f"{BACKGROUND_034}summary.json",),
             suite_summary),
+        Row("the GPU suite on this code, vLLM 0.33: one record a test", (f"{SUITE_033}summary.json",), suite_summary),
     ]),
 ]
 
@@ -758,6 +760,7 @@ COMMANDS = {
     f"{H200_034}vllm_gpu_modes.json": SUITE_H200_CALL,
     **{f"{BACKGROUND_034}tests/test_vllm_long_context.py_test_{t}.json": SUITE_START_CALL for t in LONG_TESTS},
     f"{BACKGROUND_034}summary.json": SUITE_SUMMARY_CALL.format(folder=".gpu-vllm-034", release="0.34.0"),
+    f"{SUITE_033}summary.json": SUITE_SUMMARY_CALL.format(folder=".gpu-vllm", release="0.33.0"),
     **{name: SOAK_CALL.format(env=env, ckpt=ckpt) for name, env, ckpt in zip(SOAK_CONTROL, (NO_PLE, "", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 "),
                                                                           ("/tmp/tiny-no-ple", "checkpoints/tiny-int8", "checkpoints/tiny-int8"))},
     S034: S034_CALL,
