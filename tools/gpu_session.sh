@@ -31,7 +31,8 @@
 #                                  540); one JSON per test under benchmarks/results/gpu_suite/ -> $OUT/gpu_suite.tar
 #                                  (the folder, carried in again: untar it here, call again until "0 left"); the log ->
 #                                  $OUT/gpu_suite.log; MULTI=1: the multi_gpu tests too; SUITE_ARGS: pytest's arguments
-#                                  (test files first: those files only, in that order)
+#                                  (test files first: those files only, in that order). Needs the CuTe DSL stashed
+#                                  (FlashAttention 3, the tiny engines' default backend); NO_DSL=1: no engine selected
 #   start                          the steps of BG (e.g. BG="write serve") in the background, from a copy of the tree at
 #                                  /tmp/bg/tree, their $OUT at /tmp/bg/out (their own process session: they run on between
 #                                  calls while the machine is held, nothing cut at a call's end, no engine started twice);
@@ -102,6 +103,13 @@ if compgen -G ".triton-cache/part.*" > /dev/null && [ ! -e ~/.triton/.restored ]
     && echo "Triton cache restored: $(ls ~/.triton/cache | wc -l) kernels"
 fi
 [ -d /tmp/dsl-stash ] && source tools/gpu_cute_dsl.sh install  # sets DSL_READY, or says which part to carry
+if [[ " $* " == *" "@(suite|suite-all)" "* ]] && [ -z "$DSL_READY" ] && [ -z "$NO_DSL" ]; then
+  # the tiny-engine tests take vLLM's default attention backend, FlashAttention 3 on Hopper, whose library comes with
+  # the stash; without it every engine fails at its first step ("FlashAttention version not detected")
+  echo "the suite's engine tests need FlashAttention 3 from the CuTe DSL stash: the stash calls first" \
+    "(NO_DSL=1: a SUITE_ARGS selection that starts no engine)" >&2
+  exit 3
+fi
 export TABLE_GB=${TABLE_GB:-13} LAYERS=${LAYERS:-48}
 export W=/tmp/bench_serve/release-${TABLE_GB}gb-${LAYERS}layers-budget2048
 B="--geometry release --table-gb $TABLE_GB --layers $LAYERS --indexer-budget 2048"
