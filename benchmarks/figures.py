@@ -216,7 +216,8 @@ def load_soak(docs: list[dict]) -> Cells:
         flat, req, samples = d["flatness"]["rss_mib"], d["requests"], d["samples"]
         half = next(s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2)
         growth = f"**{flat['growth_mib']:+.0f} MiB ({flat['growth_pct']:+.1f} %)**"
-        parts.append(f"{d['settings']['minutes']:g} min: {growth} after the warm-up ({flat['warm_up_end_s'] / 60:.1f} "
+        at = f"concurrency {d['settings']['concurrency'][0]}"
+        parts.append(f"{d['settings']['minutes']:g} min at {at}: {growth} after the warm-up ({flat['warm_up_end_s'] / 60:.1f} "
                      f"min), {samples[-1]['rss_mib'] - half['rss_mib']:+.0f} MiB over the second half, at "
                      f"{num(flat['last_mib'], 0)} MiB; {num(req['completed'], 0)} streams completed, "
                      f"{num(req['closed_by_client'], 0)} closed by their client, {sum(req['errors'].values())} errors, "
@@ -651,8 +652,9 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("random prompts, 64 tokens in / 16 out", ("serve_load_cpu/bench.json",), partial(load_random, "host_int8")),
         Row("shared prefixes, concurrency 4: 2 prefixes of 400 tokens, each prompt one of them + 32 tokens",
             ("serve_load_cpu/bench.json",), partial(load_prefix, "host_int8")),
-        Row("soak at concurrency 4, one stream in 10 closed by its client: the RSS of the server's process tree",
-            ("serve_load_cpu/soak.json", "serve_load_cpu/soak_20min/soak.json"), load_soak, "flat after the warm-up"),
+        Row("soak, one stream in 10 closed by its client: the RSS of the server's process tree",
+            ("serve_load_cpu/soak.json", "serve_load_cpu/soak_20min/soak.json", "serve_load_cpu/soak_30min_c64/soak.json"),
+            load_soak, "flat after the warm-up"),
         Row("the same 6 min soak back to back: which part grows after the warm-up", tuple(SOAK_CONTROL), load_soak_control,
             "flat after the warm-up"),
     ]),
