@@ -209,8 +209,21 @@ def load_prefix(variant: str, docs: list[dict]) -> Cells:
                  limit=f"{percent(ceiling)}: each prompt after its prefix's first hits the prefix's whole blocks")  # fmt: skip
 
 
+SOAK_ROLES = {"Worker": "worker", "EngineCore": "engine core"}  # the rest: the API server and its helpers
+
+
+def second_half_by_role(half: dict, last: dict) -> str:
+    """RSS growth over a soak's second half, split by process: only the worker runs the model's layers."""
+    growth = {}
+    for proc, mib in last["rss_mib_by_process"].items():
+        role = next((r for key, r in SOAK_ROLES.items() if key in proc), "API server")
+        growth[role] = growth.get(role, 0.0) + mib - half["rss_mib_by_process"].get(proc, mib)
+    return ", ".join(f"{role} {mib:+.1f}" for role, mib in sorted(growth.items(), key=lambda kv: -kv[1]))
+
+
 def load_soak(docs: list[dict]) -> Cells:
-    """Per soak, RSS growth after the warm-up (`flatness`) and over its second half, and its streams' outcomes."""
+    """Per soak, RSS growth after the warm-up (`flatness`) and over its second half (by process), and its streams'
+    outcomes."""
     parts = []
     for d in docs:
         flat, req, samples = d["flatness"]["rss_mib"], d["requests"], d["samples"]
@@ -218,7 +231,8 @@ def load_soak(docs: list[dict]) -> Cells:
         growth = f"**{flat['growth_mib']:+.0f} MiB ({flat['growth_pct']:+.1f} %)**"
         at = f"concurrency {d['settings']['concurrency'][0]}"
         parts.append(f"{d['settings']['minutes']:g} min at {at}: {growth} after the warm-up ({flat['warm_up_end_s'] / 60:.1f} "
-                     f"min), {samples[-1]['rss_mib'] - half['rss_mib']:+.0f} MiB over the second half, at "
+                     f"min), {samples[-1]['rss_mib'] - half['rss_mib']:+.0f} MiB over the second half "
+                     f"({second_half_by_role(half, samples[-1])} MiB), at "
                      f"{num(flat['last_mib'], 0)} MiB; {num(req['completed'], 0)} streams completed, "
                      f"{num(req['closed_by_client'], 0)} closed by their client, {sum(req['errors'].values())} errors, "
                      f"{num(d['left_running'], 0)} left running")  # fmt: skip
