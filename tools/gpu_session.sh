@@ -4,10 +4,10 @@
 # file-tier, lookup-tp1, drop and keep-cache alone need nothing carried: the image's torch runs them), then:
 #   STEPS...                       what runs, in order, in one call:
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
-#   micro                          ROUNDS (default 3) rounds, in turn, of bench_lookup, bench_prefetch (--repeats 3) and
-#                                  bench_hyper_connection --sweep: one file a round for docs/PERFORMANCE.md's medians
-#                                  -> $OUT/micro/roundN (FIRST_ROUND: a later call's first N; ~minutes a round: `start`;
-#                                  MICRO: which of "lookup prefetch hc", default all three)
+#   micro                          ROUNDS (default 3) rounds of bench_lookup (one process: its tables set up once, then
+#                                  --rounds), then as many of bench_prefetch (--repeats 3) and bench_hyper_connection
+#                                  --sweep, in turn: one file a round for docs/PERFORMANCE.md's medians -> $OUT/micro/roundN
+#                                  (minutes: `start`; MICRO: which of "lookup prefetch hc", default all three)
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
 #                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
 #                                  and LAYERS=12 for write and serve: 48 layers' other weights take it past the disk's 64 GB;
@@ -119,14 +119,17 @@ for step in "$@"; do
   hc) python3 -m benchmarks.bench_hyper_connection --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
       cp "$OUT/hyper_connection/bench_hyper_connection.json" /tmp/last_hc_sweep.json
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
-  micro) for i in $(seq "${FIRST_ROUND:-1}" $(( ${FIRST_ROUND:-1} + ${ROUNDS:-3} - 1 ))); do
-           r="$OUT/micro/round$i"; echo "--- round $i"
-           m=" ${MICRO:-lookup prefetch hc} "
-           [[ $m == *" lookup "* ]] && python3 -m benchmarks.bench_lookup --out "$r" 2>&1 | tail -6
+  micro) m=" ${MICRO:-lookup prefetch hc} "
+         if [[ $m == *" lookup "* ]]; then
+           python3 -m benchmarks.bench_lookup --rounds "${ROUNDS:-3}" --out "$OUT/micro" 2>&1 | grep -a "round\|best" | tail -20
+           echo "--- bench_lookup, ${ROUNDS:-3} rounds: $(( $(date +%s) - t0 )) s"
+         fi
+         for i in $(seq 1 "${ROUNDS:-3}"); do
+           r="$OUT/micro/round$i"; t1=$(date +%s)
            [[ $m == *" prefetch "* ]] && python3 -m benchmarks.bench_prefetch --repeats 3 --out "$r" 2>&1 | tail -3
            [[ $m == *" hc "* ]] && python3 -m benchmarks.bench_hyper_connection --sweep --out "$r/hyper_connection" 2>&1 \
              | grep -v "^[0-9]* {" | tail -3
-           true
+           echo "--- round $i of the others: $(( $(date +%s) - t1 )) s"
          done ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
