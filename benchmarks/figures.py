@@ -717,7 +717,7 @@ FAMILIES: list[tuple[str, list[Row]]] = [
         Row("the GPU hot-row cache's rows at 1 GiB (the default config: 16 heads × 128 values)", ("plan_memory.json",),
             plan_hot_rows, "the row map: 4 B per owned row (8 B following traffic)"),
     ]),
-    ("Hyper-connection kernels (1×H200, one hyper-connection at the release's shape, 16 weight sets, CUDA graphs)", [
+    ("Hyper-connection kernels (one GPU, as each file says; one hyper-connection at the release's shape, 16 weight sets, CUDA graphs)", [
         Row("the Triton kernels / the same glue as torch ops", ("hyper_connection/bench_hyper_connection.json",),
             partial(hc_ratio, "ratio_graph")),
         Row("fused down GEMM + silu (`down_silu`), inside the block", ("hyper_connection/bench_hyper_connection.json",),
