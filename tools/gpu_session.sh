@@ -8,6 +8,9 @@
 #                                  --rounds), then as many of bench_prefetch (--repeats 3) and bench_hyper_connection
 #                                  --sweep, in turn: one file a round for docs/PERFORMANCE.md's medians -> $OUT/micro/roundN
 #                                  (minutes: `start`; MICRO: which of "lookup prefetch hc", default all three)
+#   peer-long                      benchmarks/peer_logprobs.py --long: vLLM's own class and ours on the sharpened tiny
+#                                  checkpoint, prompts beyond the QSA budget (the CuTe DSL stashed first; GPU_VLLM=
+#                                  .gpu-vllm-034: vLLM 0.34, the long-context test's release)  -> $OUT/peer_logprobs_long
 #   write                          the release-geometry checkpoints (KINDS, default "int8 fp8"; ~80 s the first time;
 #                                  TABLE_GB, default 13: the TP4 rank's table; 52: the whole table at TP1, KINDS=int8
 #                                  and LAYERS=12 for write and serve: 48 layers' other weights take it past the disk's 64 GB;
@@ -92,7 +95,7 @@ case $1 in
       > $BG_DIR/log 2>&1 < /dev/null &)
     echo "=== $BG in the background"; wait_bg; exit 0 ;;
 esac
-if [[ " $* " == *" "@(write|serve|load|test|suite|suite-all|memory|hc|micro)" "* ]]; then  # the steps that run vLLM's or the package's installed code
+if [[ " $* " == *" "@(write|serve|load|test|suite|suite-all|memory|hc|micro|peer-long)" "* ]]; then  # the steps that run vLLM's or the package's installed code
   source "${GPU_VLLM:-.gpu-vllm}/setup.sh"
 else  # file-tier, lookup-tp1, drop, keep-cache: the image's torch and the tree alone, nothing to carry
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -119,6 +122,8 @@ for step in "$@"; do
   hc) python3 -m benchmarks.bench_hyper_connection --sweep --out "$OUT/hyper_connection" 2>&1 | grep -v "^[0-9]* {" | tail -25
       cp "$OUT/hyper_connection/bench_hyper_connection.json" /tmp/last_hc_sweep.json
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
+  peer-long) rm -rf /tmp/peer-long && python3 -m benchmarks.peer_logprobs /tmp/peer-long --long --out "$OUT/peer_logprobs_long" 2>&1 \
+               | grep -av "^INFO\|^WARNING\|^\[\|^(" | tail -40 ;;
   micro) m=" ${MICRO:-lookup prefetch hc} "
          if [[ $m == *" lookup "* ]]; then
            python3 -m benchmarks.bench_lookup --rounds "${ROUNDS:-3}" --out "$OUT/micro" 2>&1 | grep -a "round\|best" | tail -20
