@@ -1,17 +1,13 @@
 """Offloaded INT8 PLE lookup bandwidth on one GPU, every path side by side in one run.
 
     python -m benchmarks.bench_lookup [--table-gb 12] [--tokens 16384] [--one-host-copy [--huge-pages]]
-                                       [--rounds 1] [--out benchmarks/results]
+                                       [--out benchmarks/results]
 
 Table: INT8 rows of `--dim` bytes + one bf16 scale per row, sized to `--table-gb`, in pinned host memory
 (and a GPU-resident copy for the reference path). Row ids come from our n-gram hash (16 heads) over
 token streams: uniform ids, Zipf(1.1) tokens over the real vocab (248 320), and natural text
 (benchmarks/data/text_tokens.safetensors). Reported: GB/s of useful bytes (row + scale per (token, head))
 and the ratio to the measured bulk pinned->GPU copy bandwidth. Writes JSON + PNG into `--out`.
-
-`--rounds N` measures every variant and every format N times after one set-up and one launch-config sweep (pinning
-the tables and filling the format tables take most of a run's minutes): each round measures every source and
-variant in turn, and writes its own JSON + PNG into `--out/roundK`, the files a round of separate runs would write.
 """
 
 from __future__ import annotations
@@ -107,12 +103,8 @@ def parse_args() -> argparse.Namespace:
                     "row): the release's whole 52 GB TP1 table then fits a 128 GiB host")
     ap.add_argument("--huge-pages", action="store_true",
                     help="the table itself on 2 MiB pages (with --one-host-copy, where no second copy is)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="measurement rounds after one set-up and sweep, each written to OUT/roundK (1: OUT itself)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error("--rounds counts the measurement rounds: 1 or more")
     if args.huge_pages and not args.one_host_copy:
         ap.error("--huge-pages puts the one host copy on 2 MiB pages: the default run measures them on a second copy")
     return args
@@ -345,32 +337,19 @@ def main() -> None:
     traffic = HotRows(s.w_host, s.s_host, 0, args.cache_rows, "cuda", observe=True)
     variants = {**fused_variants(s, tuned, hot, traffic), **other_variants(s), **placement_variants(s, tuned, huge, packed)}
     calib_streams = token_streams(args.calib_tokens, torch.Generator().manual_seed(1), offset=args.tokens)
-    streams = {source: tokens.cuda() for source, tokens in token_streams(args.tokens, gen).items()}
-    rounds = []
-    for k in range(args.rounds):
-        print(f"--- round {k + 1} of {args.rounds}", flush=True)
-        results = {}
-        for source, tok in streams.items():
-            ids = ids_uniform if source == "uniform" else s.row_ids(tok)
-            calibrate(s, source, calib_streams[source], hot, traffic)
-            results[source] = measure_source(s, variants, source, tok, ids, hot, bulk_gbs)
-        rounds.append(results)
+    results = {}
+    for source, tokens in token_streams(args.tokens, gen).items():
+        tok = tokens.cuda()
+        ids = ids_uniform if source == "uniform" else s.row_ids(tok)
+        calibrate(s, source, calib_streams[source], hot, traffic)
+        results[source] = measure_source(s, variants, source, tok, ids, hot, bulk_gbs)
     params = {"table_bytes": table.nbytes, "rows": spec.rows, "dim": spec.head_dim, "heads": spec.num_heads,
               "tokens": args.tokens, "useful_bytes": s.useful, "table": table.describe()}  # fmt: skip
-    formats = [{}] * args.rounds
+    formats = {}
     if args.formats_table_gb > 0:
         del s, variants, table, huge, packed, hot, traffic  # make room for the format tables
         formats = bench_formats(args, token_streams(args.tokens, torch.Generator().manual_seed(0)), "cuda", do_bench)
-    for k, (results, fmts) in enumerate(zip(rounds, formats, strict=True)):
-        folder = Path(args.out) / f"round{k + 1}" if args.rounds > 1 else Path(args.out)
-        save(folder, "bench_lookup", report(args, numa, params, bulk_gbs, sweeps, tuned, results, fmts, k), plot)
-        print(json.dumps({src: {name: round(v["GB/s"], 2) for name, v in r["variants"].items()} for src, r in results.items()}, indent=1))
-
-
-def report(args, numa: dict, params: dict, bulk_gbs: float, sweeps: dict, tuned: dict, results: dict, formats: dict,
-           k: int) -> dict:  # fmt: skip
-    """Round `k`'s file: its measurements, beside the set-up and the launch-config sweep every round shares."""
-    return {
+    report = {
         "formats": formats,
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpu_count": os.cpu_count(), "numa": numa},
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
@@ -382,10 +361,11 @@ def report(args, numa: dict, params: dict, bulk_gbs: float, sweeps: dict, tuned:
         "library_host_tuning": PLETable.HOST_TUNING,
         "cache_rows": args.cache_rows,
         "results": results,
-        "round": {"index": k + 1, "of": args.rounds},
         "command": shlex.join(["python", "-m", "benchmarks.bench_lookup", *sys.argv[1:]]),
         "commit": commit(),
     }
+    save(args.out, "bench_lookup", report, plot)
+    print(json.dumps({src: {k: round(v["GB/s"], 2) for k, v in r["variants"].items()} for src, r in results.items()}, indent=1))
 
 
 def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generator) -> PLETable:
@@ -410,11 +390,10 @@ def random_table(fmt: str, rows: int, dim: int, device: str, gen: torch.Generato
     return t
 
 
-def bench_formats(args, streams: dict[str, torch.Tensor], device: str, timer) -> list[dict]:
+def bench_formats(args, streams: dict[str, torch.Tensor], device: str, timer) -> dict:
     """Every row format on a table of the same rows (INT8 size `--formats-table-gb`), host-resident:
     GB/s of useful bf16 output (T x H x D x 2 bytes per lookup), host bytes per row, and the lookup
-    checked against the format's torch reference on a slice of the ids; one result a round (`--rounds`), each
-    table built once and measured every round."""
+    checked against the format's torch reference on a slice of the ids."""
     D, T = args.dim, args.tokens
     spec = NgramHashSpec.from_config(bench_config(int(args.formats_table_gb * 1e9) // (D + 2), args.heads_per_ngram, D), 0)
     R, H = spec.rows, spec.num_heads
@@ -422,22 +401,20 @@ def bench_formats(args, streams: dict[str, torch.Tensor], device: str, timer) ->
     ctx = torch.full((qsl.numel() - 1, 2), spec.eos_token_id, device=device, dtype=torch.int64)
     ids = {src: ngram_ids(spec, tok.to(device), qsl, ctx) for src, tok in streams.items()}
     out = torch.empty(T, H * D, dtype=torch.bfloat16, device=device)
-    rounds = [{"rows": R, "dim": D, "tokens": T, "heads": H, "formats": {}} for _ in range(args.rounds)]
+    results = {"rows": R, "dim": D, "tokens": T, "heads": H, "formats": {}}
     gen = torch.Generator().manual_seed(2)
     for fmt in ("bf16", "int8", "fp8", "nvfp4"):
         table = random_table(fmt, R, D, device, gen)
-        exact = []
-        for i in ids.values():
+        row = results["formats"][fmt] = {"host_bytes_per_row": table.nbytes / R, "GB/s": {}}
+        for src, i in ids.items():
+            head = i[:64].cpu()
             table.lookup(i, out=out)
-            exact.append(bool(torch.equal(out[:64].cpu(), PLETable.lookup(_on_cpu(table), i[:64].cpu()))))
-        for k, results in enumerate(rounds):
-            row = results["formats"][fmt] = {"host_bytes_per_row": table.nbytes / R, "GB/s": {}, "exact": exact}
-            for src, i in ids.items():
-                row["GB/s"][src] = T * H * D * 2 / timer(lambda: table.lookup(i, out=out)) / 1e6
-            print(f"{fmt:6s} round {k + 1} {row['host_bytes_per_row']:6.1f} B/row  "
-                  + "  ".join(f"{s} {g:6.2f} GB/s" for s, g in row["GB/s"].items()) + f"  exact={all(exact)}", flush=True)
-        del table
-    return rounds
+            ref = PLETable.lookup(_on_cpu(table), head)
+            row.setdefault("exact", []).append(bool(torch.equal(out[:64].cpu(), ref)))
+            row["GB/s"][src] = T * H * D * 2 / timer(lambda: table.lookup(i, out=out)) / 1e6
+        print(f"{fmt:6s} {row['host_bytes_per_row']:6.1f} B/row  "
+              + "  ".join(f"{s} {g:6.2f} GB/s" for s, g in row["GB/s"].items()) + f"  exact={all(row['exact'])}", flush=True)
+    return results
 
 
 def _on_cpu(table: PLETable) -> PLETable:

@@ -4,10 +4,10 @@
 # file-tier, lookup-tp1, drop and keep-cache alone need nothing carried: the image's torch runs them), then:
 #   STEPS...                       what runs, in order, in one call:
 #   hc                             benchmarks/bench_hyper_connection.py --sweep    -> $OUT/hyper_connection
-#   micro                          ROUNDS (default 3) rounds of bench_lookup (one process: its tables set up once, then
-#                                  --rounds), then as many of bench_prefetch (--repeats 3) and bench_hyper_connection
-#                                  --sweep, in turn: one file a round for docs/PERFORMANCE.md's medians -> $OUT/micro/roundN
-#                                  (minutes: `start`; MICRO: which of "lookup prefetch hc", default all three)
+#   micro                          ROUNDS (default 3) rounds, in turn, of bench_lookup, bench_prefetch (--repeats 3) and
+#                                  bench_hyper_connection --sweep: one file a round for docs/PERFORMANCE.md's medians
+#                                  -> $OUT/micro/roundN (FIRST_ROUND: a later call's first N; ~minutes a round: `start`;
+#                                  MICRO: which of "lookup prefetch hc", default all three)
 #   peer-long                      benchmarks/peer_logprobs.py --long: vLLM's own class and ours on the sharpened tiny
 #                                  checkpoint, prompts beyond the QSA budget (the CuTe DSL stashed first; GPU_VLLM=
 #                                  .gpu-vllm-034: vLLM 0.34, the long-context test's release)  -> $OUT/peer_logprobs_long
@@ -124,17 +124,14 @@ for step in "$@"; do
       python3 -c "import json; r = json.load(open(\"$OUT/hyper_connection/bench_hyper_connection.json\"))[\"results\"]; [print(t, {k: round(v, 2) for k, v in x.items() if k.startswith(\"ratio\")}) for t, x in r.items()]" ;;
   peer-long) rm -rf /tmp/peer-long && python3 -m benchmarks.peer_logprobs /tmp/peer-long --long --out "$OUT/peer_logprobs_long" 2>&1 \
                | grep -av "^INFO\|^WARNING\|^\[\|^(" | tail -40 ;;
-  micro) m=" ${MICRO:-lookup prefetch hc} "
-         if [[ $m == *" lookup "* ]]; then
-           python3 -m benchmarks.bench_lookup --rounds "${ROUNDS:-3}" --out "$OUT/micro" 2>&1 | grep -a "round\|best" | tail -20
-           echo "--- bench_lookup, ${ROUNDS:-3} rounds: $(( $(date +%s) - t0 )) s"
-         fi
-         for i in $(seq 1 "${ROUNDS:-3}"); do
-           r="$OUT/micro/round$i"; t1=$(date +%s)
+  micro) for i in $(seq "${FIRST_ROUND:-1}" $(( ${FIRST_ROUND:-1} + ${ROUNDS:-3} - 1 ))); do
+           r="$OUT/micro/round$i"; echo "--- round $i"
+           m=" ${MICRO:-lookup prefetch hc} "
+           [[ $m == *" lookup "* ]] && python3 -m benchmarks.bench_lookup --out "$r" 2>&1 | tail -6
            [[ $m == *" prefetch "* ]] && python3 -m benchmarks.bench_prefetch --repeats 3 --out "$r" 2>&1 | tail -3
            [[ $m == *" hc "* ]] && python3 -m benchmarks.bench_hyper_connection --sweep --out "$r/hyper_connection" 2>&1 \
              | grep -v "^[0-9]* {" | tail -3
-           echo "--- round $i of the others: $(( $(date +%s) - t1 )) s"
+           true
          done ;;
   write) python3 - <<'PY' 2>&1 | tail -5
 import os, sys
